@@ -1,0 +1,238 @@
+"""Qwen2 / Qwen2.5 decoder as pure functions over a params pytree.
+
+GQA attention with q/k/v biases, RoPE (rotate-half, configurable theta), RMSNorm, SwiGLU MLP, tied or
+untied embeddings. Decoder layers are stacked on axis 0 and run with `lax.scan` (one compiled layer,
+fast compiles for 36-layer models). The same function serves training (full sequences, no cache) and
+generation (a per-row KV cache; see `forward`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rexrag_jax.models.qwen2.config import Qwen2Config
+from rexrag_jax.sharding.rules import constrain
+
+Params = dict[str, Any]
+
+# Logical axis names of every parameter (leading "layers" axis for the stacked decoder layers).
+PARAM_LOGICAL_AXES: Params = {
+    "embed": ("vocab", "embed"),
+    "layers": {
+        "attn_norm": ("layers", "norm"),
+        "q_kernel": ("layers", "embed", "heads", "head_dim"),
+        "q_bias": ("layers", "heads", "head_dim"),
+        "k_kernel": ("layers", "embed", "kv_heads", "head_dim"),
+        "k_bias": ("layers", "kv_heads", "head_dim"),
+        "v_kernel": ("layers", "embed", "kv_heads", "head_dim"),
+        "v_bias": ("layers", "kv_heads", "head_dim"),
+        "o_kernel": ("layers", "heads", "head_dim", "embed"),
+        "mlp_norm": ("layers", "norm"),
+        "gate_kernel": ("layers", "embed", "mlp"),
+        "up_kernel": ("layers", "embed", "mlp"),
+        "down_kernel": ("layers", "mlp", "embed"),
+    },
+    "final_norm": ("norm",),
+    "lm_head": ("embed", "vocab"),
+}
+
+CACHE_LOGICAL_AXES = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
+
+
+def param_shapes(cfg: Qwen2Config) -> Params:
+    L, D, H, KV, Hd, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                             cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)
+    shapes = {
+        "embed": (V, D),
+        "layers": {
+            "attn_norm": (L, D), "q_kernel": (L, D, H, Hd), "q_bias": (L, H, Hd),
+            "k_kernel": (L, D, KV, Hd), "k_bias": (L, KV, Hd), "v_kernel": (L, D, KV, Hd),
+            "v_bias": (L, KV, Hd), "o_kernel": (L, H, Hd, D), "mlp_norm": (L, D),
+            "gate_kernel": (L, D, F), "up_kernel": (L, D, F), "down_kernel": (L, F, D),
+        },
+        "final_norm": (D,),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (D, V)
+    return shapes
+
+
+def param_logical_axes(cfg: Qwen2Config) -> Params:
+    axes = {k: v for k, v in PARAM_LOGICAL_AXES.items() if k != "lm_head"}
+    if not cfg.tie_word_embeddings:
+        axes["lm_head"] = PARAM_LOGICAL_AXES["lm_head"]
+    return axes
+
+
+def init_params(cfg: Qwen2Config, rng: jax.Array, std: float = 0.02) -> Params:
+    """Random init (normal(std) matrices, zero biases, unit norms); for tests and from-scratch runs."""
+    shapes = param_shapes(cfg)
+    leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    paths = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]
+    keys = jax.random.split(rng, len(leaves))
+    dtype = jnp.dtype(cfg.param_dtype)
+    out = []
+    for path, shape, key in zip(paths, leaves, keys):
+        if "norm" in path:
+            out.append(jnp.ones(shape, dtype))
+        elif "bias" in path:
+            out.append(jnp.zeros(shape, dtype))
+        else:
+            out.append((std * jax.random.normal(key, shape, jnp.float32)).astype(dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def init_cache(cfg: Qwen2Config, batch: int, max_len: int) -> dict[str, jax.Array]:
+    """Empty KV cache: k/v [L, B, S, KV, Hd] in the compute dtype, lengths [B] = 0."""
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    dtype = jnp.dtype(cfg.dtype)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
+            "lengths": jnp.zeros((batch,), jnp.int32)}
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """y = x / sqrt(mean(x^2) + eps) * w, computed in float32 like HF."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * y).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotate-half RoPE: x*cos + rotate_half(x)*sin, inv_freq_i = theta^(-2i/d). x [B,T,N,Hd]."""
+    hd = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B,T,Hd/2]
+    cos = jnp.concatenate([jnp.cos(ang)] * 2, axis=-1)[:, :, None, :]
+    sin = jnp.concatenate([jnp.sin(ang)] * 2, axis=-1)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., : hd // 2], x32[..., hd // 2:]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def _attention(q, k, v, mask, cfg: Qwen2Config):
+    """GQA softmax attention. q [B,T,H,Hd]; k,v [B,S,KV,Hd]; mask [B,T,S] bool."""
+    B, T, H, Hd = q.shape
+    qg = q.reshape(B, T, cfg.num_kv_heads, cfg.num_groups, Hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores / np.sqrt(Hd)
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(B, T, H, Hd)
+
+
+def _write_cache(cache_layer, new, starts):
+    """Scatter new [B,T,KV,Hd] into cache_layer [B,S,KV,Hd] at slots starts[b]+t (out of range dropped)."""
+    B, T = new.shape[:2]
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    cols = starts[:, None] + jnp.arange(T)[None, :]
+    return cache_layer.at[rows, cols].set(new.astype(cache_layer.dtype), mode="drop")
+
+
+def _layer(cfg: Qwen2Config, x, lp, positions, mask, kv_cache=None, starts=None):
+    """One decoder layer. Returns (x, (k_layer, v_layer)) where k/v are the (updated) cache slices."""
+    dt = jnp.dtype(cfg.dtype)
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    q = jnp.einsum("btd,dhk->bthk", h, lp["q_kernel"].astype(dt)) + lp["q_bias"].astype(dt)
+    k = jnp.einsum("btd,dhk->bthk", h, lp["k_kernel"].astype(dt)) + lp["k_bias"].astype(dt)
+    v = jnp.einsum("btd,dhk->bthk", h, lp["v_kernel"].astype(dt)) + lp["v_bias"].astype(dt)
+    q = constrain(rope(q, positions, cfg.rope_theta), ("batch", "length", "act_heads", "head_dim"))
+    k = rope(k, positions, cfg.rope_theta)
+    if kv_cache is not None:
+        k_all = _write_cache(kv_cache[0], k, starts)
+        v_all = _write_cache(kv_cache[1], v, starts)
+        attn = _attention(q, k_all.astype(dt), v_all.astype(dt), mask, cfg)
+        new_kv = (k_all, v_all)
+    else:
+        attn = _attention(q, k, v, mask, cfg)
+        new_kv = None
+    x = x + jnp.einsum("bthk,hkd->btd", attn, lp["o_kernel"].astype(dt))
+    x = constrain(x, ("batch", "length", "act_embed"))
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    gate = jnp.einsum("btd,df->btf", h, lp["gate_kernel"].astype(dt))
+    up = jnp.einsum("btd,df->btf", h, lp["up_kernel"].astype(dt))
+    act = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
+    x = x + jnp.einsum("btf,fd->btd", act, lp["down_kernel"].astype(dt))
+    return constrain(x, ("batch", "length", "act_embed")), new_kv
+
+
+def logits_from_hidden(params: Params, hidden: jax.Array, cfg: Qwen2Config) -> jax.Array:
+    """Final-normed hidden [B,T,D] -> float32 logits [B,T,V] (tied: embed^T)."""
+    dt = jnp.dtype(cfg.dtype)
+    if cfg.tie_word_embeddings:
+        logits = jnp.einsum("btd,vd->btv", hidden, params["embed"].astype(dt),
+                            preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("btd,dv->btv", hidden, params["lm_head"].astype(dt),
+                            preferred_element_type=jnp.float32)
+    return constrain(logits, ("batch", "length", "act_vocab"))
+
+
+def forward(params: Params, tokens: jax.Array, cfg: Qwen2Config, *, positions: jax.Array | None = None,
+            attention_mask: jax.Array | None = None, cache: dict | None = None,
+            num_new: jax.Array | None = None, return_hidden: bool = False):
+    """Run the decoder.
+
+    Without cache: tokens [B,T] (right-padded), attention_mask [B,T] (1 = real), positions default to
+    arange(T); token t attends to real tokens s <= t. Returns (logits [B,T,V] float32, None).
+
+    With cache (dict k, v [L,B,S,KV,Hd], lengths [B]): row b's T tokens are written at slots
+    lengths[b]..lengths[b]+T-1 with RoPE positions equal to the slot; token t attends to slots
+    < lengths[b]+t+1. Returns (logits, new_cache) with lengths += num_new (default T).
+
+    return_hidden=True returns the final-normed hidden states instead of logits (for chunked
+    log-prob computation over large vocabularies).
+    """
+    B, T = tokens.shape
+    dt = jnp.dtype(cfg.dtype)
+    x = constrain(params["embed"].astype(dt)[tokens], ("batch", "length", "act_embed"))
+    layers = params["layers"]
+
+    if cache is None:
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        if attention_mask is None:
+            attention_mask = jnp.ones((B, T), bool)
+        causal = jnp.arange(T)[None, :, None] >= jnp.arange(T)[None, None, :]
+        mask = causal & attention_mask.astype(bool)[:, None, :]
+
+        def body(h, lp):
+            return _layer(cfg, h, lp, positions, mask)[0], None
+
+        if cfg.remat:
+            body = jax.checkpoint(body, prevent_cse=False)
+        x, _ = jax.lax.scan(body, x, layers)
+        new_cache = None
+    else:
+        starts = cache["lengths"].astype(jnp.int32)
+        positions = starts[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+        S = cache["k"].shape[2]
+        mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]  # [B,T,S]
+
+        def body(h, xs):
+            lp, k_layer, v_layer = xs
+            h, (k_layer, v_layer) = _layer(cfg, h, lp, positions, mask, (k_layer, v_layer), starts)
+            return h, (k_layer, v_layer)
+
+        x, (k_new, v_new) = jax.lax.scan(body, x, (layers, cache["k"], cache["v"]))
+        add = jnp.full((B,), T, jnp.int32) if num_new is None else num_new.astype(jnp.int32)
+        new_cache = {"k": k_new, "v": v_new, "lengths": starts + add}
+
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    if return_hidden:
+        return x, new_cache
+    return logits_from_hidden(params, x, cfg), new_cache
+
+
+def token_logprobs(params: Params, tokens: jax.Array, cfg: Qwen2Config, attention_mask=None,
+                   positions=None, temperature: float = 1.0) -> jax.Array:
+    """log p(tokens[:, t] | tokens[:, :t]) for t >= 1 (position 0 gets 0). [B,T] float32."""
+    logits, _ = forward(params, tokens, cfg, positions=positions, attention_mask=attention_mask)
+    logp = jax.nn.log_softmax(logits[:, :-1] / temperature, axis=-1)
+    picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    return jnp.concatenate([jnp.zeros_like(picked[:, :1]), picked], axis=1)

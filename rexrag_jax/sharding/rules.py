@@ -1,0 +1,81 @@
+"""Sharding as data: logical axis names -> mesh axes (t5x / MaxText style).
+
+Model code names the logical axes of every parameter and activation; this table alone decides how
+they map onto the mesh axes (`data`, `fsdp`, `tensor`). `constrain` applies
+`with_sharding_constraint` at activation boundaries when a mesh is active and is a no-op otherwise,
+so the same model function runs unsharded in tests and sharded under pjit.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical axis -> mesh axis (or tuple of mesh axes, or None = replicated)
+LOGICAL_AXIS_RULES: tuple[tuple[str, object], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("cache_length", None),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("act_embed", None),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("act_mlp", "tensor"),
+    ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
+    ("act_vocab", "tensor"),
+    ("layers", None),
+    ("norm", None),
+)
+
+_state = threading.local()
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], rules=LOGICAL_AXIS_RULES,
+                    mesh: Mesh | None = None) -> PartitionSpec:
+    """Map logical axis names to a PartitionSpec; a mesh axis is used at most once per array."""
+    table = dict(rules)
+    used: set[str] = set()
+    out = []
+    for name in logical_axes:
+        target = table.get(name) if name is not None else None
+        if name is not None and name not in table:
+            raise KeyError(f"logical axis {name!r} has no rule in LOGICAL_AXIS_RULES")
+        axes = (target,) if isinstance(target, str) else tuple(target or ())
+        # Drop mesh axes already used by an earlier dim, or of size 1 (keeps specs tidy).
+        axes = tuple(a for a in axes if a not in used and (mesh is None or mesh.shape.get(a, 1) > 1))
+        used.update(axes)
+        out.append(None if not axes else (axes[0] if len(axes) == 1 else axes))
+    return PartitionSpec(*out)
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh, rules=LOGICAL_AXIS_RULES) -> Iterator[Mesh]:
+    """Activate `mesh` + `rules` for `constrain` calls traced inside this context."""
+    prev = getattr(_state, "active", None)
+    _state.active = (mesh, rules)
+    try:
+        yield mesh
+    finally:
+        _state.active = prev
+
+
+def active_mesh():
+    return getattr(_state, "active", None)
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """with_sharding_constraint by logical names; identity when no mesh is active."""
+    active = active_mesh()
+    if active is None:
+        return x
+    mesh, rules = active
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(logical_axes, rules, mesh)))
