@@ -37,7 +37,7 @@ def num_probes_to_keep(num_questions: int, group_size: int, rho: float, num_avai
         raise ValueError(f"num_probes_to_keep: dp_size={dp_size}; expected >= 1")
     if not 0.0 <= rho <= 1.0:
         raise ValueError(f"num_probes_to_keep: rho={rho}; expected a value in [0, 1]")
-    # The small epsilon keeps e.g. 2560 * 0.1 = 255.99999... from flooring to 255.
+    # The small epsilon keeps e.g. 100 * 0.29 = 28.999999999999996 from flooring to 28.
     k = int(math.floor(num_questions * group_size * rho + 1e-9))
     k = min(k, int(num_available))
     return k - k % dp_size
