@@ -1,0 +1,194 @@
+"""Build, save and load a retrieval index directory.
+
+Layout of `index_dir/`:
+```
+manifest.json      encoder {name, dim, max_length, prefixes}, count, corpus {path, sha256}, searcher, params
+docs.jsonl         row i = passage of embedding row i;  doc_offsets.npy  byte offsets [count + 1]
+embeddings.f32     np.memmap float32 [count, dim], L2-normalised
+scann/             serialized ScaNN searcher (searcher == "scann" only)
+config.gin         resolved gin config (written by the CLI)
+```
+Crash safety: everything is built in `index_dir + ".partial"`. Embeddings are encoded shard by shard
+into the memmap; after each shard is flushed `build_state.json` records it, so a rerun with the same
+corpus/encoder/shard size resumes at the first unfinished shard. Only a complete build is swapped in
+(rename), so an existing good index is never clobbered by a failed build.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from rexrag_jax.retrieval.corpus import file_sha256
+from rexrag_jax.retrieval.docstore import DocStore, write_docstore
+from rexrag_jax.retrieval.searcher import ExactSearcher, ScannSearcher
+
+MANIFEST, STATE, EMB = "manifest.json", "build_state.json", "embeddings.f32"
+FORMAT_VERSION = 1
+
+
+class IndexLoadError(ValueError):
+    """An index directory that is missing, incomplete, or does not match what the caller expects."""
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read_json(path: str):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def choose_searcher(count: int, searcher: str, exact_max_rows: int) -> str:
+    """'auto' -> exact for corpora of at most exact_max_rows passages, ScaNN above."""
+    if searcher not in ("auto", "exact", "scann"):
+        raise ValueError(f"searcher must be 'auto', 'exact' or 'scann', got {searcher!r}")
+    if searcher == "auto":
+        return "exact" if count <= exact_max_rows else "scann"
+    return searcher
+
+
+def build_index(corpus_path: str, index_dir: str, encoder, *, searcher: str = "auto",
+                exact_max_rows: int = 100_000, shard_size: int = 65_536, scann_params: dict | None = None,
+                extra_files: dict[str, str] | None = None, progress: bool = True) -> str:
+    """Encode `corpus_path` with `encoder` and write a complete index to `index_dir`; returns index_dir.
+
+    `extra_files` ({name: text}) are written into the index (e.g. the resolved gin config).
+    """
+    corpus_path, index_dir = os.path.abspath(corpus_path), os.path.abspath(index_dir.rstrip("/"))
+    work = index_dir + ".partial"
+    desc = encoder.describe()
+    sha = file_sha256(corpus_path)
+    key = {"corpus_sha256": sha, "encoder": desc, "shard_size": shard_size, "format": FORMAT_VERSION}
+    state = _read_json(os.path.join(work, STATE)) if os.path.isfile(os.path.join(work, STATE)) else None
+    if state is None or state.get("key") != key:
+        if os.path.exists(work):
+            shutil.rmtree(work)  # a stale partial build for another corpus/encoder: start over
+        os.makedirs(work)
+        state = {"key": key, "count": None, "shards_done": 0}
+        _write_json(os.path.join(work, STATE), state)
+    elif progress:
+        print(f"resuming partial build in {work}: {state['shards_done']} shard(s) already encoded")
+
+    if state["count"] is None:
+        with tqdm(desc="read corpus", unit="passage", disable=not progress) as bar:
+            state["count"] = write_docstore(corpus_path, work, progress=bar)
+        _write_json(os.path.join(work, STATE), state)
+    n, dim = state["count"], encoder.dim
+    docs = DocStore(work)
+    emb_path = os.path.join(work, EMB)
+    emb = np.memmap(emb_path, np.float32, "r+" if os.path.exists(emb_path) else "w+", shape=(n, dim))
+    num_shards = -(-n // shard_size)
+    with tqdm(total=n, initial=min(n, state["shards_done"] * shard_size), desc="encode passages",
+              unit="passage", disable=not progress) as bar:
+        for s in range(state["shards_done"], num_shards):
+            lo, hi = s * shard_size, min(n, (s + 1) * shard_size)
+            emb[lo:hi] = encoder.encode(docs.texts(lo, hi), kind="passage", progress=bar)
+            emb.flush()
+            state["shards_done"] = s + 1
+            _write_json(os.path.join(work, STATE), state)
+    docs.close()
+
+    kind = choose_searcher(n, searcher, exact_max_rows)
+    params = None
+    if kind == "scann":
+        t = time.time()
+        s = ScannSearcher.build(np.asarray(emb), **(scann_params or {}))
+        s.save(os.path.join(work, "scann"))
+        params = s.params
+        if progress:
+            print(f"ScaNN searcher built in {time.time() - t:.1f}s: {params}")
+    del emb
+    for name, text in (extra_files or {}).items():
+        with open(os.path.join(work, name), "w", encoding="utf-8") as f:
+            f.write(text)
+    _write_json(os.path.join(work, MANIFEST), {
+        "format": FORMAT_VERSION, "encoder": desc, "dim": dim, "count": n,
+        "corpus": {"path": corpus_path, "sha256": sha}, "searcher": kind, "scann_params": params,
+        "created_unix": int(time.time())})
+    os.remove(os.path.join(work, STATE))
+    _swap_in(work, index_dir)
+    return index_dir
+
+
+def _swap_in(new_dir: str, index_dir: str) -> None:
+    """Replace index_dir with new_dir by renames; the old index survives until the new one is in place."""
+    if os.path.exists(index_dir):
+        old = f"{index_dir}.old-{os.getpid()}"
+        os.replace(index_dir, old)
+        os.replace(new_dir, index_dir)
+        shutil.rmtree(old)
+    else:
+        os.replace(new_dir, index_dir)
+
+
+class Index:
+    """A loaded index: manifest, searcher over the embeddings, and the passage store."""
+
+    def __init__(self, index_dir: str, manifest: dict, searcher, docs: DocStore):
+        self.dir, self.manifest, self.searcher, self.docs = index_dir, manifest, searcher, docs
+
+    def __len__(self):
+        return self.manifest["count"]
+
+    @classmethod
+    def load(cls, index_dir: str, encoder=None, corpus_path: str | None = None,
+             searcher: str | None = None) -> "Index":
+        """Open and verify an index. `encoder` (if given) must match the recorded name/dim/prefixes;
+        `corpus_path` (if given) must hash to the recorded checksum. `searcher="exact"` forces brute force."""
+        mpath = os.path.join(index_dir, MANIFEST)
+        if not os.path.isfile(mpath):
+            hint = " (a build was interrupted; rerun build-index to resume)" if os.path.isdir(
+                index_dir.rstrip("/") + ".partial") else ""
+            raise IndexLoadError(f"{index_dir}: not an index directory, {MANIFEST} missing{hint}")
+        m = _read_json(mpath)
+        for field in ("format", "encoder", "dim", "count", "corpus", "searcher"):
+            if field not in m:
+                raise IndexLoadError(f"{mpath}: field {field!r} missing")
+        if m["format"] != FORMAT_VERSION:
+            raise IndexLoadError(f"{mpath}: format {m['format']} not supported (expected {FORMAT_VERSION})")
+        if encoder is not None:
+            got = encoder.describe()
+            diff = {k: (m["encoder"].get(k), got[k]) for k in got if m["encoder"].get(k) != got[k]}
+            if diff:
+                raise IndexLoadError(f"{mpath}: encoder mismatch, (index, given) per field: {diff}")
+        if corpus_path is not None:
+            sha = file_sha256(corpus_path)
+            if sha != m["corpus"]["sha256"]:
+                raise IndexLoadError(f"{mpath}: corpus checksum mismatch: index was built from "
+                                  f"{m['corpus']['path']} (sha256 {m['corpus']['sha256'][:12]}…), "
+                                  f"{corpus_path} has sha256 {sha[:12]}…")
+        n, dim = m["count"], m["dim"]
+        emb_path = os.path.join(index_dir, EMB)
+        want = n * dim * 4
+        if not os.path.isfile(emb_path) or os.path.getsize(emb_path) != want:
+            got = os.path.getsize(emb_path) if os.path.isfile(emb_path) else "missing"
+            raise IndexLoadError(f"{emb_path}: expected {want} bytes ({n} x {dim} float32), got {got}")
+        docs = DocStore(index_dir)
+        if len(docs) != n:
+            raise IndexLoadError(f"{index_dir}: docstore has {len(docs)} rows, manifest count is {n}")
+        kind = searcher or m["searcher"]
+        if kind == "scann":
+            if m["searcher"] != "scann":
+                raise IndexLoadError(f"{mpath}: index was built without ScaNN (searcher={m['searcher']!r})")
+            s = ScannSearcher.load(os.path.join(index_dir, "scann"), n, m["scann_params"])
+        elif kind == "exact":
+            s = ExactSearcher(np.memmap(emb_path, np.float32, "r", shape=(n, dim)))
+        else:
+            raise IndexLoadError(f"searcher must be 'exact' or 'scann', got {kind!r}")
+        return cls(index_dir, m, s, docs)
+
+    def search_embeddings(self, q: np.ndarray, topk: int) -> list[list[dict]]:
+        idx, scores = self.searcher.search(q, topk)
+        return [[{"document": self.docs.get(int(i)), "score": float(s)} for i, s in zip(ri, rs) if i >= 0]
+                for ri, rs in zip(idx, scores)]
