@@ -1,0 +1,120 @@
+"""Jitted device kernels of the generation engine (pure functions over the KV cache).
+
+The cache lives on device as k, v [L, B, S, KV, Hd] plus last_logits [B, V] (each row's next-token
+logits). Row lengths are host-owned and passed in as int32 [B]. Every kernel donates k, v and
+last_logits, so XLA updates the cache in place. `window` (static) bounds the slots a kernel attends
+over: only k[:, :, :window] is read and written, so decode cost follows the live context, not S.
+`mesh` is static only so that traces with and without sharding constraints never share a cache entry.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from rexrag_jax.generation.sampling import sample_tokens
+from rexrag_jax.models.qwen2.model import forward, logits_from_hidden
+from rexrag_jax.sharding.rules import use_mesh
+
+RUNNING, EOS, STOP, LENGTH = 0, 1, 2, 3
+
+
+def _mesh_ctx(mesh):
+    return use_mesh(mesh) if mesh is not None else _nullctx()
+
+
+class _nullctx:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def _window(x, window):
+    return x if window >= x.shape[2] else x[:, :, :window]
+
+
+def _unwindow(full, part):
+    return part if part.shape[2] == full.shape[2] else jax.lax.dynamic_update_slice(full, part, (0,) * full.ndim)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "window", "mesh"), donate_argnums=(1, 2, 4))
+def prefill(params, k, v, lengths, last_logits, idx, tokens, num_new, *, cfg, window, mesh=None):
+    """Append tokens [nb, T] to rows idx [nb] (row idx[i] takes its first num_new[i] tokens).
+
+    Rows with num_new = 0 are untouched below their length (padded writes land beyond it). The
+    logits after each row's last real token replace last_logits[row]; rows with num_new = 0 keep theirs.
+    Returns (k, v, last_logits).
+    """
+    with _mesh_ctx(mesh):
+        sub = {"k": _window(k, window)[:, idx], "v": _window(v, window)[:, idx], "lengths": lengths[idx]}
+        hidden, sub = forward(params, tokens, cfg, cache=sub, num_new=num_new, return_hidden=True)
+        last = jnp.maximum(num_new - 1, 0)
+        h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)  # [nb, 1, D]
+        logits = logits_from_hidden(params, h_last, cfg)[:, 0]
+        new_rows = jnp.where((num_new > 0)[:, None], logits, last_logits[idx])
+        kw = _window(k, window).at[:, idx].set(sub["k"])
+        vw = _window(v, window).at[:, idx].set(sub["v"])
+        return _unwindow(k, kw), _unwindow(v, vw), last_logits.at[idx].set(new_rows)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "steps", "window", "stop_seqs", "eos_ids", "use_top_p",
+                                             "pad_id", "mesh"), donate_argnums=(1, 2, 4))
+def decode_chunk(params, k, v, lengths, last_logits, active, remaining, recent, rng, temperature, top_p,
+                 greedy, *, cfg, steps, window, stop_seqs, eos_ids, use_top_p, pad_id, mesh=None):
+    """Up to `steps` decode steps in one lax.while_loop (exits early once no row is active).
+
+    Each step, for every active row: sample tok from last_logits, feed tok through the model (cache
+    slot lengths[b]), set last_logits to the logits after tok, then deactivate the row if tok is an
+    EOS id (status EOS), the last generated tokens (`recent`, right-aligned, -1 = none) end with a
+    stop sequence (STOP), or its budget `remaining` reaches 0 (LENGTH). Sampled tokens are always kept
+    in the cache, so last_logits stays consistent with the row length.
+
+    Returns (k, v, last_logits, out_tok [B, steps], out_logprob, out_sampling_logprob, status [B],
+    count [B]); row b produced the first count[b] columns.
+    """
+    B = lengths.shape[0]
+    eos = jnp.asarray(eos_ids if eos_ids else (-2,), jnp.int32)
+    with _mesh_ctx(mesh):
+        zeros_f = jnp.zeros((B, steps), jnp.float32)
+        init = (jnp.int32(0), _window(k, window), _window(v, window), lengths, last_logits, active, remaining,
+                recent, jnp.full((B, steps), pad_id, jnp.int32), zeros_f, zeros_f,
+                jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32))
+
+        def cond(c):
+            return (c[0] < steps) & jnp.any(c[5])
+
+        def body(c):
+            i, kw, vw, lens, logits, act, rem, rec, o_tok, o_lp, o_slp, status, count = c
+            tok, lp, slp = sample_tokens(logits, jax.random.fold_in(rng, i), temperature, top_p, greedy,
+                                         use_top_p)
+            tok = jnp.where(act, tok, pad_id)
+            o_tok = o_tok.at[:, i].set(tok)
+            o_lp = o_lp.at[:, i].set(lp)
+            o_slp = o_slp.at[:, i].set(slp)
+            step = act.astype(jnp.int32)
+            new_logits, cache = forward(params, tok[:, None], cfg, cache={"k": kw, "v": vw, "lengths": lens},
+                                        num_new=step)
+            logits = jnp.where(act[:, None], new_logits[:, 0], logits)
+            rec = jnp.where(act[:, None], jnp.concatenate([rec[:, 1:], tok[:, None]], axis=1), rec)
+            is_stop = jnp.zeros((B,), bool)
+            for seq in stop_seqs:
+                is_stop |= jnp.all(rec[:, rec.shape[1] - len(seq):] == jnp.asarray(seq, jnp.int32), axis=1)
+            is_eos = jnp.any(tok[:, None] == eos[None, :], axis=1)
+            rem = rem - step
+            new_status = jnp.where(is_stop, STOP, jnp.where(is_eos, EOS, jnp.where(rem <= 0, LENGTH, RUNNING)))
+            status = jnp.where(act, new_status, status)
+            return (i + 1, cache["k"], cache["v"], cache["lengths"], logits, act & (new_status == RUNNING), rem,
+                    rec, o_tok, o_lp, o_slp, status, count + step)
+
+        out = jax.lax.while_loop(cond, body, init)
+        _, kw, vw, _, logits, _, _, _, o_tok, o_lp, o_slp, status, count = out
+        return _unwindow(k, kw), _unwindow(v, vw), logits, o_tok, o_lp, o_slp, status, count
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+def copy_row(k, v, last_logits, src, dst):
+    """Row dst := row src (all slots and its last logits); the host then sets dst's length."""
+    return k.at[:, dst].set(k[:, src]), v.at[:, dst].set(v[:, src]), last_logits.at[dst].set(last_logits[src])
