@@ -1,0 +1,102 @@
+"""Read trajectory dumps (jsonl / json list) for re-scoring, accepting the common field names.
+
+Field mapping, first present wins:
+  question       question, query, problem, or the text after "Question:" in prompt
+  golden_answers golden_answers, answers, answer, golds, gold, target, ground_truth,
+                 reward_model.ground_truth.target (string or list)
+  response       response, response_text, output, generated_text, completion, solution_str,
+                 sequences_str, trajectory, text, prediction, pred
+  data_source    data_source, source, dataset; else inferred from the dump's file name; else "unknown"
+  id             id, idx, qid, uid, _id (absent -> "{file stem}-{row}")
+A response holding the whole rendered prompt is cut to the model's part: after the first
+"<|im_start|>assistant", or after the line "... For example, <answer> Beijing </answer>. Question: {q}"
+of a bare SPEC prompt, so that example is never taken for the model's answer.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from rexrag_jax.data.readers import ANSWER_FIELDS, QADataError, _answers, _first, _question_from_prompt
+from rexrag_jax.data.schema import canonical_source, infer_data_source
+
+RESPONSE_FIELDS = ("response", "response_text", "output", "generated_text", "completion", "solution_str",
+                   "sequences_str", "trajectory", "text", "prediction", "pred")
+DUMP_ANSWER_FIELDS = ANSWER_FIELDS[:3] + ("golds", "gold") + ANSWER_FIELDS[3:]
+SOURCE_FIELDS = ("data_source", "source", "dataset")
+ID_FIELDS = ("id", "idx", "qid", "uid", "_id")
+_ASSISTANT = "<|im_start|>assistant"
+_PROMPT_EXAMPLE = "For example, <answer> Beijing </answer>."
+
+
+def strip_prompt(text: str) -> str:
+    """The model's part of a dump text that may include the rendered prompt (see module docstring)."""
+    if _ASSISTANT in text:
+        text = text.split(_ASSISTANT, 1)[1]
+    if _PROMPT_EXAMPLE in text:  # a bare SPEC prompt: drop it up to the end of its "Question: ...\n" line
+        rest = text.split(_PROMPT_EXAMPLE, 1)[1]
+        q = rest.find("Question:")
+        nl = rest.find("\n", q) if q >= 0 else -1
+        text = rest[nl + 1:] if nl >= 0 else rest
+    return text
+
+
+def _dump_rows(path: str):
+    if path.lower().endswith(".jsonl"):
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        yield f"{path}:{lineno}", json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise QADataError(f"{path}:{lineno}: invalid JSON: {e}") from None
+    elif path.lower().endswith(".json"):
+        with open(path, encoding="utf-8") as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise QADataError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
+        if isinstance(data, dict):
+            data = data.get("data", data.get("trajectories"))
+        if not isinstance(data, list):
+            raise QADataError(f"{path}: expected a JSON list of trajectories (or {{'data': [...]}})")
+        for i, row in enumerate(data):
+            yield f"{path}:row {i}", row
+    else:
+        raise QADataError(f"{path}: unsupported dump type; expected .jsonl or .json")
+
+
+def read_trajectory_dump(path, data_source: str | None = None) -> list[dict]:
+    """Records {"id", "question", "golden_answers", "data_source", "response"} (+ the row's other fields)."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"trajectory dump not found: {path}")
+    file_source = canonical_source(data_source) if data_source else infer_data_source(path)
+    stem = os.path.splitext(os.path.basename(path))[0]
+    out = []
+    for i, (where, row) in enumerate(_dump_rows(path)):
+        if not isinstance(row, dict):
+            raise QADataError(f"{where}: expected an object, got {type(row).__name__}")
+        rfield, response = _first(row, RESPONSE_FIELDS)
+        if not isinstance(response, str):
+            raise QADataError(f"{where}: no response text: expected a string in one of {RESPONSE_FIELDS}; "
+                              f"fields present: {sorted(row)}")
+        gfield, golds = _first(row, DUMP_ANSWER_FIELDS)
+        if gfield is None:
+            raise QADataError(f"{where}: no gold answers: expected one of {DUMP_ANSWER_FIELDS}; "
+                              f"fields present: {sorted(row)}")
+        try:
+            golds = _answers(golds, from_csv=False)
+        except ValueError as e:
+            raise QADataError(f"{where}: field {gfield!r}: {e}") from None
+        _, question = _first(row, ("question", "query", "problem"))
+        if question is None:
+            question = _question_from_prompt(row.get("prompt")) or ""
+        _, source = _first(row, SOURCE_FIELDS)
+        source = canonical_source(data_source) if data_source else (
+            canonical_source(source) if isinstance(source, str) and source else file_source or "unknown")
+        _, ident = _first(row, ID_FIELDS)
+        extra = {k: v for k, v in row.items() if k not in ("prediction", "em")}
+        out.append({**extra, "id": f"{stem}-{i}" if ident in (None, "") else str(ident), "question": question,
+                    "golden_answers": golds, "data_source": source, "response": strip_prompt(response)})
+    return out

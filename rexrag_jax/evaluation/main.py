@@ -1,0 +1,88 @@
+"""`rexrag eval`: greedy evaluation of a policy over benchmark files, or re-scoring of trajectory dumps.
+
+    rexrag eval --rescore dump.jsonl [more.json ...] [--out scored.jsonl] [--summary-json s.json]
+    rexrag eval --data nq_test_1k.jsonl hotpotqa_dev_500.jsonl --checkpoint CKPT [--retriever-url URL]
+                [--limit 100] [--batch-size 64] [--out trajectories.jsonl]
+Prints the EM table (nq triviaqa popqa hotpotqa 2wiki musique bamboogle avg).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from rexrag_jax.evaluation.dumps import read_trajectory_dump
+from rexrag_jax.evaluation.runner import build_generate_fn, evaluate, write_jsonl_atomic
+from rexrag_jax.evaluation.scoring import format_table, score_and_summarize
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rexrag eval", description=__doc__.split("\n")[0])
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--rescore", nargs="+", metavar="DUMP", help="trajectory dumps (.jsonl/.json) to re-score")
+    mode.add_argument("--data", nargs="+", metavar="FILE", help="benchmark files or directories to evaluate")
+    p.add_argument("--data-source", help="override data_source for every input file")
+    p.add_argument("--raw-fallback", action="store_true",
+                   help="score a response without any <answer> block as the bare predicted answer")
+    p.add_argument("--out", help="write every scored trajectory here (jsonl)")
+    p.add_argument("--summary-json", help="write the per-source summary here (json)")
+    p.add_argument("--limit", type=int, help="first N questions of each file (--data)")
+    p.add_argument("--skip-bad-rows", action="store_true", help="skip and count unmappable rows (--data)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--no-progress", action="store_true")
+    model = p.add_argument_group("model (--data)")
+    model.add_argument("--checkpoint", help="policy checkpoint directory")
+    model.add_argument("--tokenizer", help="tokenizer path (default: from the checkpoint)")
+    model.add_argument("--gin-file", action="append", default=[], help="gin config(s) of the run")
+    model.add_argument("--gin-param", action="append", default=[], help="gin binding override(s)")
+    model.add_argument("--retriever-url", help="Search-R1 /retrieve server (default: in-process retriever)")
+    model.add_argument("--topk", type=int, default=3)
+    model.add_argument("--max-turns", type=int, default=5)
+    return p
+
+
+def _load_examples(args):
+    from rexrag_jax.data.readers import SUFFIXES, read_qa_file
+    examples = []
+    for path in args.data:
+        files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.lower().endswith(SUFFIXES)) \
+            if os.path.isdir(path) else [path]
+        for f in files:
+            rows = read_qa_file(f, args.data_source, skip_bad_rows=args.skip_bad_rows)
+            examples.extend(rows[:args.limit] if args.limit else rows)
+    return examples
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.rescore:
+            records = [r for path in args.rescore for r in read_trajectory_dump(path, args.data_source)]
+            records, summary = score_and_summarize(records, raw_fallback=args.raw_fallback)
+            if args.out:
+                write_jsonl_atomic(args.out, records)
+        else:
+            examples = _load_examples(args)
+            generate_fn = build_generate_fn(
+                checkpoint=args.checkpoint, tokenizer=args.tokenizer, gin_files=args.gin_file,
+                gin_params=args.gin_param, retriever_url=args.retriever_url, topk=args.topk,
+                max_turns=args.max_turns)
+            records, summary = evaluate(examples, generate_fn, batch_size=args.batch_size, out_path=args.out,
+                                        progress=not args.no_progress, raw_fallback=args.raw_fallback)
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+        print(f"rexrag eval: {e}", file=sys.stderr)
+        return 2
+    print(format_table(summary))
+    if args.out:
+        print(f"wrote {len(records)} trajectories to {args.out}")
+    if args.summary_json:
+        tmp = args.summary_json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(summary.to_dict(), f, indent=2)
+        os.replace(tmp, args.summary_json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
