@@ -8,6 +8,8 @@ so the same model function runs unsharded in tests and sharded under pjit.
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 import threading
 from typing import Iterator, Sequence
 
@@ -37,6 +39,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, object], ...] = (
 )
 
 _state = threading.local()
+log = logging.getLogger(__name__)
 
 
 def logical_to_spec(logical_axes: Sequence[str | None], rules=LOGICAL_AXIS_RULES,
@@ -52,6 +55,33 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules=LOGICAL_AXIS_RULES
         axes = (target,) if isinstance(target, str) else tuple(target or ())
         # Drop mesh axes already used by an earlier dim, or of size 1 (keeps specs tidy).
         axes = tuple(a for a in axes if a not in used and (mesh is None or mesh.shape.get(a, 1) > 1))
+        used.update(axes)
+        out.append(None if not axes else (axes[0] if len(axes) == 1 else axes))
+    return PartitionSpec(*out)
+
+
+def spec_for_shape(logical_axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+                   rules=LOGICAL_AXIS_RULES, name: str = "array") -> PartitionSpec:
+    """PartitionSpec for an array of `shape`: each dim gets the mesh axes its logical name maps to,
+    minus axes already used by an earlier dim and size-1 axes, trimmed from the right until the dim
+    size is divisible by their product (nothing left = replicated)."""
+    if len(logical_axes) != len(shape):
+        raise ValueError(f"{name}: {len(logical_axes)} logical axes {tuple(logical_axes)} for shape {tuple(shape)}")
+    table = dict(rules)
+    used: set[str] = set()
+    out = []
+    for dim, (lname, size) in enumerate(zip(logical_axes, shape)):
+        if lname is not None and lname not in table:
+            raise KeyError(f"{name}: logical axis {lname!r} has no rule in LOGICAL_AXIS_RULES")
+        target = table.get(lname) if lname is not None else None
+        axes = (target,) if isinstance(target, str) else tuple(target or ())
+        axes = tuple(a for a in axes if a not in used and mesh.shape.get(a, 1) > 1)
+        wanted = axes
+        while axes and size % math.prod(mesh.shape[a] for a in axes):
+            axes = axes[:-1]
+        if axes != wanted:
+            log.debug("%s: dim %d (%s, size %d) not divisible by mesh axes %s %s; using %s instead",
+                      name, dim, lname, size, wanted, [mesh.shape[a] for a in wanted], axes or "replication")
         used.update(axes)
         out.append(None if not axes else (axes[0] if len(axes) == 1 else axes))
     return PartitionSpec(*out)
@@ -73,9 +103,10 @@ def active_mesh():
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
-    """with_sharding_constraint by logical names; identity when no mesh is active."""
+    """with_sharding_constraint by logical names (non-divisible dims replicated); identity without a mesh."""
     active = active_mesh()
     if active is None:
         return x
     mesh, rules = active
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(logical_axes, rules, mesh)))
+    spec = spec_for_shape(logical_axes, x.shape, mesh, rules, name="activation")
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -67,6 +67,18 @@ class Qwen2Config:
         missing = [k for k in required if k not in d]
         if missing:
             raise ValueError(f"{source}: missing field(s) {missing} needed for a Qwen2 model")
+        # Features this decoder does not implement: refuse rather than silently compute something else.
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: unsupported hidden_act={d['hidden_act']!r}; expected 'silu'")
+        if d.get("use_sliding_window", False):
+            raise ValueError(f"{source}: unsupported use_sliding_window=true (sliding-window attention is not "
+                             "implemented); expected false")
+        rope_params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
+        if rope_type not in (None, "default"):
+            field = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
+            raise ValueError(f"{source}: unsupported {field}.rope_type={rope_type!r}; only plain RoPE "
+                             "('default') is implemented")
         heads = int(d["num_attention_heads"])
         kw = dict(
             vocab_size=int(d["vocab_size"]),
@@ -76,7 +88,7 @@ class Qwen2Config:
             num_heads=heads,
             num_kv_heads=int(d.get("num_key_value_heads", heads)),
             head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
-            rope_theta=float(d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+            rope_theta=float(d.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
@@ -96,13 +108,15 @@ class Qwen2Config:
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "hidden_act": "silu",
-            "rope_theta": self.rope_theta,
+            "rope_theta": self.rope_theta,  # transformers < 5
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},  # transformers >= 5
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
             "attention_dropout": 0.0,
             "use_sliding_window": False,
             "torch_dtype": self.param_dtype,
+            "dtype": self.param_dtype,
         }
 
 

@@ -236,3 +236,36 @@ def token_logprobs(params: Params, tokens: jax.Array, cfg: Qwen2Config, attentio
     logp = jax.nn.log_softmax(logits[:, :-1] / temperature, axis=-1)
     picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
     return jnp.concatenate([jnp.zeros_like(picked[:, :1]), picked], axis=1)
+
+
+def token_logprobs_chunked(params: Params, tokens: jax.Array, cfg: Qwen2Config, attention_mask=None,
+                           positions=None, temperature: float = 1.0, chunk: int = 512) -> jax.Array:
+    """Same values as `token_logprobs`, without materialising the [B,T,V] float32 logits.
+
+    logp[:, t] = h_{t-1}·w[tok_t]/τ − logsumexp_v(h_{t-1}·w_v/τ) for t >= 1, logp[:, 0] = 0, where h are
+    the final-normed hidden states. The T−1 predicting positions are processed `chunk` at a time in a
+    `lax.scan` whose body is rematerialised, so forward and backward both hold [B, chunk, V] logits at
+    most (at V = 152k, B·T·V·4 bytes is the largest buffer of a training step otherwise).
+    """
+    B, T = tokens.shape
+    hidden, _ = forward(params, tokens, cfg, positions=positions, attention_mask=attention_mask,
+                        return_hidden=True)
+    n = T - 1
+    if n <= 0:
+        return jnp.zeros((B, T), jnp.float32)
+    c = max(1, min(int(chunk), n))
+    pad = -n % c
+    h = jnp.pad(hidden[:, :-1], ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, pad)))
+    h = h.reshape(B, -1, c, h.shape[-1]).swapaxes(0, 1)  # [n_chunks, B, c, D]
+    targets = targets.reshape(B, -1, c).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one_chunk(hc, tc):
+        logits = logits_from_hidden(params, hc, cfg) / temperature
+        picked = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
+        return picked - jax.nn.logsumexp(logits, axis=-1)
+
+    _, logp = jax.lax.scan(lambda carry, xs: (carry, one_chunk(*xs)), None, (h, targets))
+    logp = logp.swapaxes(0, 1).reshape(B, -1)[:, :n]
+    return jnp.concatenate([jnp.zeros((B, 1), jnp.float32), logp.astype(jnp.float32)], axis=1)
