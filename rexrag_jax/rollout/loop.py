@@ -367,7 +367,8 @@ def run_rollouts(engine, tokenizer, retriever, examples: Sequence, group_size: i
     """Roll out `group_size` trajectories per example (group id = example index) plus probes.
 
     engine: GenerationEngine-like (append / generate / copy_prefix / truncate / lengths / reset,
-      batch_size, max_len); it is reset first. Needs batch_size >= required_batch_size(N, config) and
+      batch_size, max_len); it is reset first. Needs batch_size >= N = len(examples) * group_size
+      (required_batch_size(N, config) rows guarantee no probe is dropped for lack of a slot) and
       max_len >= max_context + max_new_tokens.
     retriever: `.search(queries, topk) -> [[{"document": {"id", "contents"}, "score"}]]`.
     rng: a jax PRNG key (or an int seed) driving sampling, probe draws and prompt choice.
@@ -381,11 +382,10 @@ def run_rollouts(engine, tokenizer, retriever, examples: Sequence, group_size: i
     if group_size < 1 or not examples:
         raise ValueError(f"run_rollouts: need >= 1 example and group_size >= 1, got {len(examples)}, {group_size}")
     n = len(examples) * group_size
-    need = required_batch_size(n, config)
-    if engine.batch_size < need:
-        raise ValueError(f"run_rollouts: engine.batch_size={engine.batch_size} < {need} rows needed for {n} "
-                         f"originals (probe_slot={config.probe_slot!r}, max_probe_fraction="
-                         f"{config.max_probe_fraction}); see required_batch_size")
+    if engine.batch_size < n:
+        raise ValueError(f"run_rollouts: engine.batch_size={engine.batch_size} < {n} originals "
+                         f"({len(examples)} examples x group_size {group_size}); with probe_slot='free' size it "
+                         f"with required_batch_size (= {required_batch_size(n, config)}) so no probe is dropped")
     max_len = getattr(engine, "max_len", None)
     if max_len is not None and max_len < config.max_context + config.max_new_tokens:
         raise ValueError(f"run_rollouts: engine.max_len={max_len} < max_context + max_new_tokens = "
