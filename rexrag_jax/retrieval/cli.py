@@ -1,0 +1,111 @@
+"""`rexrag build-index` and `rexrag serve-retriever`, configured with gin (see gin/retriever/*.gin).
+
+    rexrag build-index --gin_file gin/retriever/minilm_exact.gin \
+        --gin_bindings 'retrieval.build.corpus_path = "corpus.jsonl"' --gin_bindings 'retrieval.build.index_dir = "idx"'
+    rexrag serve-retriever --index_dir idx --port 8000
+
+`--corpus` / `--index_dir` are shorthands for those bindings. The resolved config is saved as
+`index_dir/config.gin`; serve-retriever reads it first (so the query encoder matches the index),
+then the given gin files and bindings.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import gin
+
+from rexrag_jax.retrieval.index import Index, build_index
+from rexrag_jax.retrieval.retriever import LocalRetriever
+from rexrag_jax.retrieval.server import ServerLimits, serve
+
+
+@gin.configurable("encoder", module="retrieval")
+def make_encoder(kind: str = "minilm", model_dir: str | None = None, name: str | None = None,
+                 max_length: int = 256, batch_size: int = 64, data_parallel: bool = False):
+    """kind: "minilm" (packaged all-MiniLM-L6-v2), "e5" (local e5-*-v2 dir, query:/passage: prefixes),
+    or "bert" (any local HF BERT dir, no prefixes)."""
+    from rexrag_jax.retrieval import encoder as E
+
+    kw = dict(max_length=max_length, batch_size=batch_size, data_parallel=data_parallel)
+    if kind == "minilm":
+        return E.TextEncoder.from_pretrained(model_dir or E.default_minilm_dir(), name=name or "all-MiniLM-L6-v2", **kw)
+    if model_dir is None:
+        raise ValueError(f"retrieval.encoder.model_dir is required for kind={kind!r}")
+    if kind == "e5":
+        return E.e5_encoder(model_dir, **({"name": name} if name else {}), **kw)
+    if kind == "bert":
+        return E.TextEncoder.from_pretrained(model_dir, name=name, **kw)
+    raise ValueError(f"retrieval.encoder.kind must be 'minilm', 'e5' or 'bert', got {kind!r}")
+
+
+@gin.configurable("build", module="retrieval")
+def build_settings(corpus_path: str = gin.REQUIRED, index_dir: str = gin.REQUIRED, searcher: str = "auto",
+                   exact_max_rows: int = 100_000, shard_size: int = 65_536, scann_params: dict | None = None):
+    return dict(corpus_path=corpus_path, index_dir=index_dir, searcher=searcher, exact_max_rows=exact_max_rows,
+                shard_size=shard_size, scann_params=scann_params)
+
+
+@gin.configurable("serve", module="retrieval")
+def serve_settings(host: str = "127.0.0.1", port: int = 8000, searcher: str | None = None,
+                   max_queries: int = 1024, max_topk: int = 100, max_batch_queries: int = 512):
+    return dict(host=host, port=port, searcher=searcher,
+                limits=ServerLimits(max_queries=max_queries, max_topk=max_topk, max_batch_queries=max_batch_queries))
+
+
+def _parse(argv, prog, extra):
+    p = argparse.ArgumentParser(prog=prog)
+    p.add_argument("--gin_file", action="append", default=[], help="gin config file (repeatable)")
+    p.add_argument("--gin_bindings", action="append", default=[], help="gin binding (repeatable)")
+    for args, kw in extra:
+        p.add_argument(*args, **kw)
+    return p.parse_args(argv)
+
+
+def _gin_str(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def build_index_main(argv=None) -> int:
+    a = _parse(argv, "rexrag build-index", [
+        (("--corpus",), dict(help="corpus jsonl/json (= retrieval.build.corpus_path)")),
+        (("--index_dir",), dict(help="output index directory (= retrieval.build.index_dir)")),
+        (("--quiet",), dict(action="store_true"))])
+    bindings = list(a.gin_bindings)
+    if a.corpus:
+        bindings.append(f"retrieval.build.corpus_path = {_gin_str(a.corpus)}")
+    if a.index_dir:
+        bindings.append(f"retrieval.build.index_dir = {_gin_str(a.index_dir)}")
+    gin.parse_config_files_and_bindings(a.gin_file, bindings)
+    settings = build_settings()
+    encoder = make_encoder()
+    config = gin.config_str()
+    index_dir = build_index(encoder=encoder, progress=not a.quiet, extra_files={"config.gin": config}, **settings)
+    m = Index.load(index_dir).manifest
+    print(f"index written to {index_dir}: {m['count']} passages x {m['dim']} ({m['searcher']}), encoder {m['encoder']['name']}")
+    return 0
+
+
+def serve_main(argv=None) -> int:
+    a = _parse(argv, "rexrag serve-retriever", [
+        (("--index_dir",), dict(required=True)),
+        (("--host",), dict(default=None, help="bind address (default 127.0.0.1)")),
+        (("--port",), dict(type=int, default=None))])
+    files = [f for f in [os.path.join(a.index_dir, "config.gin")] if os.path.isfile(f)] + a.gin_file
+    bindings = list(a.gin_bindings)
+    if a.host:
+        bindings.append(f"retrieval.serve.host = {_gin_str(a.host)}")
+    if a.port is not None:
+        bindings.append(f"retrieval.serve.port = {a.port}")
+    gin.parse_config_files_and_bindings(files, bindings)
+    s = serve_settings()
+    encoder = make_encoder()
+    retriever = LocalRetriever(Index.load(a.index_dir, encoder=encoder, searcher=s["searcher"]), encoder)
+    retriever.search(["warm up"], 3)  # compile the query path before the first client arrives
+    serve(retriever, s["host"], s["port"], s["limits"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(build_index_main())
