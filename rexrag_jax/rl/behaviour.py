@@ -107,3 +107,16 @@ def batch_alpha_err(is_probe: jax.Array, correct: jax.Array) -> tuple[jax.Array,
     acc = jnp.sum(correct * orig) / jnp.maximum(n_orig, 1.0)
     err = jnp.where(n_orig > 0, 1.0 - acc, 1.0)
     return alpha, err
+
+
+def behaviour_for_batch(batch, old_logp, pool, correct, err_floor: float = DEFAULT_ERR_FLOOR):
+    """Convenience wiring for a TrajectoryBatch-like object (tokens, loss_mask, is_probe, probe_start, probe_len).
+
+    pool: a PromptPoolDistribution (host-side trie, so this helper is not jittable as a whole);
+    correct: [N] EM per row. Returns (log behaviour [N, T], α, err).
+    """
+    pool_logp = pool.logprob_matrix(batch.tokens, batch.is_probe, batch.probe_start, batch.probe_len)
+    alpha, err = batch_alpha_err(batch.is_probe, correct)
+    log_b = behaviour_logprobs(old_logp, batch.loss_mask, batch.is_probe, batch.probe_start, batch.probe_len,
+                               pool_logp, alpha, err, err_floor)
+    return log_b, alpha, err

@@ -103,3 +103,18 @@ def test_batch_alpha_err():
     assert float(alpha) == pytest.approx(2 / 6) and float(err) == pytest.approx(0.75)  # probes' EM ignored
     alpha, err = batch_alpha_err(np.array([True]), np.array([1.0]))
     assert float(alpha) == 1.0 and float(err) == 1.0
+
+
+def test_behaviour_for_batch_wires_pool_and_alpha_err():
+    import types
+    from rexrag_jax.rl.behaviour import behaviour_for_batch
+    from rexrag_jax.rl.prompt_pool import PromptPoolDistribution
+    tokens = np.array([[1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 2, 1, 3, 4, 5]])
+    batch = types.SimpleNamespace(tokens=tokens, loss_mask=LOSS_MASK, is_probe=IS_PROBE, probe_start=PROBE_START,
+                                  probe_len=PROBE_LEN)
+    pool = PromptPoolDistribution([[3, 4], [3, 9], [5], [6], [7], [8], [9], [10]])  # P(3) = 1/4, P(4 | 3) = 1/2
+    log_b, alpha, err = behaviour_for_batch(batch, np.log(OLD_P).astype(np.float32), pool, np.array([0.0, 1.0]))
+    assert float(alpha) == 0.5 and float(err) == 1.0
+    expected = np.asarray(behaviour_logprobs(np.log(OLD_P).astype(np.float32), LOSS_MASK, IS_PROBE, PROBE_START,
+                                             PROBE_LEN, _pool_logp(), 0.5, 1.0))
+    np.testing.assert_allclose(np.asarray(log_b), expected, rtol=1e-6)

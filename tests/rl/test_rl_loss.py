@@ -113,15 +113,19 @@ def test_gradient_accumulation_is_exact_token_mean():
     mask = np.arange(t)[None, :] < lengths[:, None]
     is_probe = np.array([0, 1, 0, 0, 1, 0], bool)
 
-    def total(lp, sl):
-        s, c, m = grpo_token_loss(lp, old[sl], ref[sl], adv[sl], mask[sl], is_probe=is_probe[sl])
+    def total(lp, o, r, a, mk, pr):
+        s, c, m = grpo_token_loss(lp, o, r, a, mk, is_probe=pr)
         return s, (c, m)
 
-    full_grad = jax.grad(lambda lp: token_mean(*total(lp, slice(None))[0:1], mask.sum()))(logp)
+    def args(sl):
+        return old[sl], ref[sl], adv[sl], jnp.asarray(mask[sl]), jnp.asarray(is_probe[sl])
+
+    value_and_grad = jax.jit(jax.value_and_grad(total, has_aux=True))
+    full_grad = jax.jit(jax.grad(lambda lp: total(lp, *args(slice(None)))[0] / mask.sum()))(logp)
     micro = [slice(0, 2), slice(2, 3), slice(3, 6)]
     grads, outs = np.zeros((n, t), np.float32), []
     for sl in micro:
-        (s, (c, m)), g = jax.value_and_grad(total, has_aux=True)(logp[sl], sl)
+        (s, (c, m)), g = value_and_grad(logp[sl], *args(sl))
         grads[sl] = np.asarray(g)
         outs.append((s, c, m))
     accumulated = grads / sum(int(o[1]) for o in outs)
