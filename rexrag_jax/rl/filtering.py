@@ -15,14 +15,19 @@ from __future__ import annotations
 
 import math
 
+import gin
 import numpy as np
 
 INITIAL_KEEP_RATIO = 0.08
 
 
+@gin.configurable(denylist=["rho_prev", "kept_probe_rewards"])
 def update_keep_ratio(rho_prev: float, kept_probe_rewards, decay: float = 0.9,
                       success_threshold: float = 1.0) -> float:
-    """ρ_t = decay · ρ_{t-1} + (1 - decay) · mean(kept_probe_rewards >= success_threshold); unchanged if empty."""
+    """ρ_t = decay · ρ_{t-1} + (1 - decay) · mean(kept_probe_rewards >= success_threshold); unchanged if empty.
+
+    gin: `update_keep_ratio.decay`, `update_keep_ratio.success_threshold`.
+    """
     rewards = np.asarray(kept_probe_rewards, dtype=np.float64).reshape(-1)
     if rewards.size == 0:
         return float(rho_prev)

@@ -1,4 +1,5 @@
 """Probe filtering (SPEC §4): keep-ratio EWMA and ranked selection, by hand."""
+import gin
 import numpy as np
 import pytest
 
@@ -45,3 +46,13 @@ def test_inserted_mean_logp():
     assert out[0] == pytest.approx(-2.5) and out[1] == pytest.approx(-2.5 / 3) and out[2] == -np.inf
     # Truncated at T: only the tokens that exist count.
     assert inserted_mean_logp(logp[:1], [3], [5])[0] == pytest.approx(-4.0)
+
+
+def test_keep_ratio_gin_binding():
+    gin.clear_config()
+    try:
+        gin.parse_config("update_keep_ratio.decay = 0.5")
+        assert update_keep_ratio(0.2, [1.0, 0.0]) == pytest.approx(0.5 * 0.2 + 0.5 * 0.5)
+    finally:
+        gin.clear_config()
+    assert update_keep_ratio(0.2, [1.0, 0.0]) == pytest.approx(0.9 * 0.2 + 0.1 * 0.5)

@@ -70,3 +70,14 @@ def test_fraction_mask_and_loss():
     g = np.asarray(jax.grad(lambda lp: f(lp)[0])(jnp.log(r)))
     assert np.all(g[inserted] == 0) and g[0, 1] == pytest.approx(-1.025 * 1.1, rel=1e-5)
     assert g[0, 0] == 0.0  # clipped branch
+
+
+def test_rapo_loss_jits():
+    policy, inserted = _masks(["ppii", "pppp"])
+    lp = jnp.log(jnp.array([[1.25, 1.1, 2.0, 2.0], [0.5, 1.0, 1.3, 1.0]]))
+    args = (jnp.zeros((2, 4)), jnp.array([1.0, -1.0]), policy | inserted, policy, inserted)
+    eager = rapo_token_loss(lp, *args)[0]
+    jitted = jax.jit(lambda x: rapo_token_loss(x, *args)[0])(lp)
+    assert float(jitted) == pytest.approx(float(eager), rel=1e-6)
+    # A < 0: r = 1.3 is above 1 + eps, and max(1.3, 1.28) keeps the unclipped (pessimistic) term.
+    assert float(eager) == pytest.approx(-1.28 - 1.025 * 1.1 + 0.72 + 1.0 + 1.3 + 1.0, rel=1e-5)
