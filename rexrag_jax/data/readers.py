@@ -196,13 +196,18 @@ def read_qa_file(path, data_source: str | None = None, *, skip_bad_rows: bool = 
     return read_qa_file_with_stats(path, data_source, skip_bad_rows=skip_bad_rows)[0]
 
 
-def read_qa_files(paths, data_source: str | None = None, *, skip_bad_rows: bool = False) -> list[QAExample]:
-    """Concatenation of read_qa_file over `paths` (files or directories of supported files, sorted)."""
-    out: list[QAExample] = []
+def list_qa_files(paths) -> list[str]:
+    """Files as given, directories expanded to their supported files (sorted)."""
+    out = []
     for p in paths:
         p = os.fspath(p)
-        files = sorted(os.path.join(p, n) for n in os.listdir(p) if n.lower().endswith(SUFFIXES)) \
-            if os.path.isdir(p) else [p]
-        for f in files:
-            out.extend(read_qa_file(f, data_source, skip_bad_rows=skip_bad_rows))
+        if os.path.isdir(p):
+            out.extend(sorted(os.path.join(p, n) for n in os.listdir(p) if n.lower().endswith(SUFFIXES)))
+        else:
+            out.append(p)
     return out
+
+
+def read_qa_files(paths, data_source: str | None = None, *, skip_bad_rows: bool = False) -> list[QAExample]:
+    """Concatenation of read_qa_file over `paths` (files or directories of supported files, sorted)."""
+    return [e for f in list_qa_files(paths) for e in read_qa_file(f, data_source, skip_bad_rows=skip_bad_rows)]

@@ -34,10 +34,17 @@ class QAExample:
         return dataclasses.asdict(self)
 
 
+_ALIASES = {"2wiki": "2wikimultihopqa", "2wikimqa": "2wikimultihopqa", "hotpot": "hotpotqa",
+            "natural_questions": "nq", "naturalquestions": "nq", "nq_open": "nq", "trivia": "triviaqa",
+            "trivia_qa": "triviaqa", "pop_qa": "popqa"}
+
+
 def canonical_source(name: str) -> str:
-    """Map aliases ("2wiki", "NQ", "hotpot") to the canonical data_source; unknown names pass through."""
-    inferred = infer_data_source(name)
-    return inferred if inferred is not None else name
+    """Exact aliases ("2wiki", "NQ", "hotpot") -> canonical data_source; any other name passes unchanged."""
+    key = name.strip().lower()
+    if key in BENCHMARK_SOURCES:
+        return key
+    return _ALIASES.get(key, name)
 
 
 def infer_data_source(path: str | os.PathLike) -> str | None:

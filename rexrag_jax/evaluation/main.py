@@ -43,14 +43,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load_examples(args):
-    from rexrag_jax.data.readers import SUFFIXES, read_qa_file
+    from rexrag_jax.data.readers import list_qa_files, read_qa_file
     examples = []
-    for path in args.data:
-        files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.lower().endswith(SUFFIXES)) \
-            if os.path.isdir(path) else [path]
-        for f in files:
-            rows = read_qa_file(f, args.data_source, skip_bad_rows=args.skip_bad_rows)
-            examples.extend(rows[:args.limit] if args.limit else rows)
+    for f in list_qa_files(args.data):
+        rows = read_qa_file(f, args.data_source, skip_bad_rows=args.skip_bad_rows)
+        examples.extend(rows[:args.limit] if args.limit else rows)
     return examples
 
 

@@ -141,3 +141,12 @@ def test_unsupported_and_missing(tmp_path):
         read_qa_file(tmp_path / "nq.txt")
     with pytest.raises(FileNotFoundError):
         read_qa_file(tmp_path / "absent.jsonl")
+
+
+@pytest.mark.parametrize("name,canonical", [
+    ("2wiki", "2wikimultihopqa"), ("NQ", "nq"), ("hotpot", "hotpotqa"), ("TriviaQA", "triviaqa"),
+    ("synth_1hop", "synth_1hop"), ("nq_custom", "nq_custom"), ("my-set", "my-set"),
+])
+def test_canonical_source_is_exact_alias_only(name, canonical):
+    from rexrag_jax.data import canonical_source
+    assert canonical_source(name) == canonical
