@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+USAGE='usage: launch/up.sh --name NAME --zone ZONE --run-dir gs://BUCKET/RUN --gin-file F ... [--dry-run]
+
+Everything in order: create the TPU (VM or --queued), copy code and set up every worker, start the
+retriever, start the trainer.'
+parse_args "$@"
+require NAME ZONE RUN_DIR
+start_log up
+do_create
+do_setup
+do_retriever
+do_start_train
