@@ -100,3 +100,14 @@ def training_text(world: World, trajectories: list[dict]) -> list[str]:
     lines += [build_prompt_text(e.question) for e in world.train + world.test]
     lines += [t["response"] for t in trajectories]
     return lines
+
+
+def oracle_generate_fn(world: World, retriever=None, topk: int = 3):
+    """generate_fn(list[QAExample]) -> responses of the perfect searcher (upper bound; eval sanity check)."""
+    retriever = retriever or WorldRetriever(world.corpus_rows())
+    rng = random.Random(0)  # unused by correct trajectories; make_trajectory needs one
+
+    def generate_fn(examples):
+        return [make_trajectory(world, ex, retriever, dead_end=False, rng=rng, topk=topk)["response"]
+                for ex in examples]
+    return generate_fn

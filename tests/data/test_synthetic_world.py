@@ -204,3 +204,13 @@ def test_default_world_is_fast_and_writes_readable_files(tmp_path):
     rows = [json.loads(line) for line in open(paths["corpus"])]
     assert rows == world.corpus_rows()
     assert sum(1 for _ in open(paths["warmstart"])) == len(world.train)
+
+
+def test_oracle_through_evaluate_scores_100(world, tmp_path):
+    from rexrag_jax.data.warmstart import oracle_generate_fn
+    from rexrag_jax.evaluation import evaluate, format_table
+    records, summary = evaluate(world.test, oracle_generate_fn(world), batch_size=16, progress=False,
+                                out_path=tmp_path / "oracle.jsonl")
+    assert summary.per_source == {f"synth_{h}hop": {"n": 20, "em": 1.0} for h in (1, 2, 3)}
+    assert [r["response"].count("<search>") for r in records] == [len(world.hops(e.id)) for e in world.test]
+    assert "synth_3hop" in format_table(summary)
