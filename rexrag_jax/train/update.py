@@ -1,0 +1,151 @@
+"""The jitted pieces of a training step: log-prob passes and the mini-batch update.
+
+Update of one mini-batch (n micro-batches of M trajectories, shapes fixed so one program serves
+every step):
+
+    (S_i, C_i) = grpo_token_loss(micro-batch i)           loss sum and loss-token count
+    L          = Σ_i S_i / Σ_i C_i                         token mean over the whole mini-batch
+    ∇L         = (Σ_i ∇S_i) / Σ_i C_i                      exact: not a mean of per-micro-batch means
+    θ'         = θ - lr · (adam(clip(∇L)) + wd · θ)        see optim.py
+
+If L or any gradient entry is non-finite the update is skipped: params and optimizer state come
+back unchanged (`metrics["skipped"] = 1`). params and optimizer state are donated.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from rexrag_jax.models.qwen2 import model as qwen2
+from rexrag_jax.models.qwen2.config import Qwen2Config
+from rexrag_jax.rl.loss import combine_micro_batches, grpo_token_loss
+
+MICRO_KEYS = ("tokens", "attention_mask", "loss_mask", "behaviour_logp", "advantages", "is_probe")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    kl_coef: float = 0.001
+    temperature: float = 1.0
+    logprob_chunk: int | None = None  # None: full [M,T,V] logits; else chunked log-softmax over T
+
+
+def policy_logprobs(params, tokens, attention_mask, cfg: Qwen2Config, temperature: float = 1.0,
+                    chunk: int | None = None) -> jax.Array:
+    """log π(tokens[:, t] | tokens[:, :t]) [B, T] float32 (position 0 gets 0)."""
+    if chunk:
+        return qwen2.token_logprobs_chunked(params, tokens, cfg, attention_mask=attention_mask,
+                                            temperature=temperature, chunk=chunk)
+    return qwen2.token_logprobs(params, tokens, cfg, attention_mask=attention_mask, temperature=temperature)
+
+
+def logprobs_and_entropy(params, tokens, attention_mask, cfg: Qwen2Config, temperature: float = 1.0,
+                         chunk: int = 512) -> tuple[jax.Array, jax.Array]:
+    """(log π(token_t | <t), entropy H_t of the predictive distribution for position t), both [B, T].
+
+    Forward-only (old-policy pass): logits are formed `chunk` positions at a time, so the [B, T, V]
+    float32 tensor never exists. Position 0 gets 0 for both.
+    """
+    B, T = tokens.shape
+    hidden, _ = qwen2.forward(params, tokens, cfg, attention_mask=attention_mask, return_hidden=True)
+    n = T - 1
+    c = max(1, min(int(chunk), n))
+    pad = -n % c
+    h = jnp.pad(hidden[:, :-1], ((0, 0), (0, pad), (0, 0))).reshape(B, -1, c, hidden.shape[-1]).swapaxes(0, 1)
+    tg = jnp.pad(tokens[:, 1:], ((0, 0), (0, pad))).reshape(B, -1, c).swapaxes(0, 1)
+
+    def one(_, xs):
+        hc, tc = xs
+        logp = jax.nn.log_softmax(qwen2.logits_from_hidden(params, hc, cfg).astype(jnp.float32) / temperature, -1)
+        picked = jnp.take_along_axis(logp, tc[..., None], axis=-1)[..., 0]
+        return None, (picked, -jnp.sum(jnp.exp(logp) * logp, axis=-1))
+
+    _, (lp, ent) = jax.lax.scan(one, None, (h, tg))
+    zeros = jnp.zeros((B, 1), jnp.float32)
+    lp = jnp.concatenate([zeros, lp.swapaxes(0, 1).reshape(B, -1)[:, :n]], axis=1)
+    ent = jnp.concatenate([zeros, ent.swapaxes(0, 1).reshape(B, -1)[:, :n]], axis=1)
+    return lp, ent
+
+
+def micro_batch_loss(params, mb: dict, cfg: Qwen2Config, loss_cfg: LossConfig):
+    """(loss_sum, (token_count, metrics)) of one micro-batch; `mb` holds MICRO_KEYS (+ "ref_logp")."""
+    logp = policy_logprobs(params, mb["tokens"], mb["attention_mask"], cfg, loss_cfg.temperature,
+                           loss_cfg.logprob_chunk)
+    ref = mb.get("ref_logp")
+    loss_sum, count, metrics = grpo_token_loss(
+        logp, mb["behaviour_logp"], ref, mb["advantages"], mb["loss_mask"], eps_low=loss_cfg.eps_low,
+        eps_high=loss_cfg.eps_high, kl_coef=loss_cfg.kl_coef if ref is not None else 0.0,
+        is_probe=mb["is_probe"])
+    return loss_sum, (count, metrics)
+
+
+def accumulate_gradients(params, micro_batches: dict, cfg: Qwen2Config, loss_cfg: LossConfig, poison=None):
+    """Σ_i ∇S_i / Σ_i C_i over micro_batches (arrays with a leading micro-batch axis) via lax.scan.
+
+    Returns (grads, loss, token_count, metrics). `poison` (bool scalar) multiplies every loss sum by
+    NaN: a test hook that makes the loss and the gradients non-finite.
+    """
+    grad_fn = jax.value_and_grad(micro_batch_loss, has_aux=True)
+
+    def body(carry, mb):
+        g_acc, s_acc, c_acc = carry
+        (s, (c, m)), g = grad_fn(params, mb, cfg, loss_cfg)
+        if poison is not None:
+            scale = jnp.where(poison, jnp.nan, 1.0)
+            s, g = s * scale, jax.tree.map(lambda x: x * scale, g)
+        g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
+        return (g_acc, s_acc + s, c_acc + c), (s, c, m)
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+    (g_sum, s_sum, c_sum), (s_i, c_i, m_i) = jax.lax.scan(body, init, micro_batches)
+    denom = jnp.maximum(c_sum, 1).astype(jnp.float32)
+    grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, params)
+    n_micro = s_i.shape[0]
+    _, metrics = combine_micro_batches([(s_i[k], c_i[k], jax.tree.map(lambda v: v[k], m_i))
+                                        for k in range(n_micro)])
+    return grads, s_sum / denom, c_sum, metrics
+
+
+def _all_finite(tree) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+def make_update_fn(cfg: Qwen2Config, optimizer: optax.GradientTransformation, loss_cfg: LossConfig,
+                   out_shardings=None) -> Callable:
+    """jit(update)(params, opt_state, micro_batches, lr, poison) -> (params, opt_state, metrics).
+
+    params and opt_state are donated. `out_shardings` = (param_shardings, opt_shardings) keeps them
+    where they were under a mesh.
+    """
+    def update(params, opt_state, micro_batches, lr, poison):
+        grads, loss, count, metrics = accumulate_gradients(params, micro_batches, cfg, loss_cfg, poison)
+        finite = jnp.isfinite(loss) & _all_finite(grads)
+        grad_norm = optax.tree.norm(grads)
+        updates, new_opt = optimizer.update(grads, opt_state, params)
+        new_params = jax.tree.map(lambda p, u: (p - lr * u.astype(jnp.float32)).astype(p.dtype), params, updates)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+        metrics = dict(metrics, loss=loss, loss_tokens=count, grad_norm=grad_norm,
+                       skipped=(~finite).astype(jnp.int32))
+        return keep(new_params, params), keep(new_opt, opt_state), metrics
+
+    kw = {}
+    if out_shardings is not None:
+        kw["out_shardings"] = (out_shardings[0], out_shardings[1], None)
+    return jax.jit(update, donate_argnums=(0, 1), **kw)
+
+
+def make_logprob_fn(cfg: Qwen2Config, temperature: float = 1.0, chunk: int = 512, with_entropy: bool = True):
+    """jit((params, tokens, attention_mask) -> (logp, entropy or None)) for the old/ref passes."""
+    def fn(params, tokens, attention_mask):
+        if with_entropy:
+            return logprobs_and_entropy(params, tokens, attention_mask, cfg, temperature, chunk)
+        return policy_logprobs(params, tokens, attention_mask, cfg, temperature, chunk), None
+    return jax.jit(fn)
