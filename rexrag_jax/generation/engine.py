@@ -45,6 +45,12 @@ class GenOut:
     sampling_logprobs: list[float] = dataclasses.field(default_factory=list)
 
 
+def _dev(host: np.ndarray) -> jax.Array:
+    """Copy a host array that we mutate later: on CPU jnp.asarray may alias numpy memory while the
+    asynchronously dispatched kernel has not read it yet."""
+    return jnp.asarray(np.array(host, copy=True))
+
+
 def _pow2_at_least(n: int, lo: int) -> int:
     return max(lo, 1 << max(0, int(n) - 1).bit_length())
 
@@ -212,7 +218,7 @@ class GenerationEngine:
                 num_new[i] = len(chunk)
             window = min(_pow2_at_least(int(self._lengths[idx].max()) + T, self.min_window), self.max_len)
             self._k, self._v, self._last_logits = kernels.prefill(
-                self._params, self._k, self._v, jnp.asarray(self._lengths), self._last_logits,
+                self._params, self._k, self._v, _dev(self._lengths), self._last_logits,
                 jnp.asarray(np.array(idx, np.int32)), jnp.asarray(tokens), jnp.asarray(num_new),
                 cfg=self.cfg, window=window, mesh=self.mesh)
             for i, r in enumerate(rows):
@@ -261,8 +267,8 @@ class GenerationEngine:
             window = min(_pow2_at_least(int(self._lengths[live].max()) + self.decode_chunk, self.min_window),
                          self.max_len)
             out = kernels.decode_chunk(
-                self._params, self._k, self._v, jnp.asarray(self._lengths), self._last_logits,
-                jnp.asarray(active), jnp.asarray(remaining), jnp.asarray(recent),
+                self._params, self._k, self._v, _dev(self._lengths), self._last_logits,
+                _dev(active), _dev(remaining), jnp.asarray(recent),
                 jax.random.fold_in(rng, chunk_i), jnp.float32(temperature), jnp.float32(top_p),
                 jnp.bool_(greedy), cfg=self.cfg, steps=self.decode_chunk, window=window,
                 stop_seqs=self.stop_token_seqs, eos_ids=self.eos_ids, use_top_p=use_top_p,

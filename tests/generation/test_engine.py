@@ -1,0 +1,231 @@
+"""GenerationEngine against full-recompute references (model.forward without cache)."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rexrag_jax.generation import GenerationEngine
+from rexrag_jax.generation import kernels
+from rexrag_jax.models.qwen2.config import Qwen2Config
+from rexrag_jax.models.qwen2.model import forward, init_params
+
+CFG = Qwen2Config.from_preset("tiny")
+B, S, REF_T = 4, 128, 128
+
+
+@pytest.fixture(scope="module")
+def params():
+    # std 0.2 gives peaked, input-dependent next-token distributions (0.02 would be near uniform).
+    return init_params(CFG, jax.random.PRNGKey(0), std=0.2)
+
+
+@functools.partial(jax.jit, static_argnums=())
+def _ref_logits(params, tokens, mask):
+    return forward(params, tokens, CFG, attention_mask=mask)[0]
+
+
+def full_logits(params, seq):
+    """Logits [len(seq), V] of a cache-free forward over seq (right-padded to a fixed shape)."""
+    tokens = np.zeros((1, REF_T), np.int32)
+    tokens[0, : len(seq)] = seq
+    mask = np.arange(REF_T)[None] < len(seq)
+    return np.asarray(_ref_logits(params, jnp.asarray(tokens), jnp.asarray(mask)))[0, : len(seq)]
+
+
+def greedy_reference(params, prompt, n):
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(np.argmax(full_logits(params, seq)[-1])))
+    return seq[len(prompt):]
+
+
+def log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def make_engine(params, **kw):
+    kw.setdefault("decode_chunk", 8)
+    kw.setdefault("stop_strings", ())
+    return GenerationEngine(params, CFG, B, S, pad_id=0, **kw)
+
+
+PROMPTS = [[5, 17, 300, 42, 9, 77, 1], [400, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+
+
+def test_greedy_matches_full_recompute_argmax(params):
+    eng = make_engine(params)
+    eng.append([0, 1, 3], PROMPTS)
+    outs = eng.generate([0, 1, 3], 20, jax.random.PRNGKey(0), greedy=True)
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.tokens == greedy_reference(params, prompt, 20)
+        assert out.stop_reason == "length"
+    np.testing.assert_array_equal(eng.lengths(), [7 + 20, 2 + 20, 0, 11 + 20])
+    assert eng.row_tokens(1) == PROMPTS[1] + outs[1].tokens
+
+
+def test_temperature_zero_is_greedy(params):
+    eng = make_engine(params)
+    eng.append([0, 1], PROMPTS[:2])
+    g = eng.generate([0, 1], 12, jax.random.PRNGKey(0), greedy=True)
+    eng.reset()
+    eng.append([0, 1], PROMPTS[:2])
+    t0 = eng.generate([0, 1], 12, jax.random.PRNGKey(7), temperature=0.0, top_p=0.3)
+    assert [o.tokens for o in g] == [o.tokens for o in t0]
+    assert all(x == 0.0 for o in t0 for x in o.sampling_logprobs)
+
+
+def test_logprobs_equal_full_forward_log_softmax(params):
+    eng = make_engine(params)
+    eng.append([0, 2], [PROMPTS[0], PROMPTS[2]])
+    temp = 0.7
+    outs = eng.generate([0, 2], 24, jax.random.PRNGKey(3), temperature=temp)
+    for prompt, out in zip([PROMPTS[0], PROMPTS[2]], outs):
+        seq = prompt + out.tokens
+        lg = full_logits(params, seq)[len(prompt) - 1: -1]
+        tok = np.array(out.tokens)
+        raw = log_softmax(lg)[np.arange(len(tok)), tok]
+        scaled = log_softmax(lg / temp)[np.arange(len(tok)), tok]
+        np.testing.assert_allclose(out.logprobs, raw, atol=1e-5)
+        np.testing.assert_allclose(out.sampling_logprobs, scaled, atol=1e-5)
+        assert len(set(out.tokens)) > 3  # actually sampled, not a constant stream
+
+
+def test_append_to_subset_leaves_other_rows_unchanged(params):
+    eng = make_engine(params)
+    eng.append([0, 1, 2], PROMPTS)
+    n1 = int(eng.lengths()[1])
+    k1, v1 = np.asarray(eng._k[:, 1, :n1]), np.asarray(eng._v[:, 1, :n1])
+    logits1 = np.asarray(eng._last_logits[1])
+    # 40 tokens into row 0 (two prefill chunks with the 32 cap below) and a short one into row 2
+    eng.prefill_chunk = 32
+    eng.append([0, 2], [list(range(100, 140)), [7, 7, 7]])
+    np.testing.assert_array_equal(np.asarray(eng._k[:, 1, :n1]), k1)
+    np.testing.assert_array_equal(np.asarray(eng._v[:, 1, :n1]), v1)
+    np.testing.assert_array_equal(np.asarray(eng._last_logits[1]), logits1)
+    np.testing.assert_array_equal(eng.lengths()[:3], [7 + 40, 2, 11 + 3])
+    outs = eng.generate([0, 1, 2], 10, jax.random.PRNGKey(0), greedy=True)
+    assert outs[1].tokens == greedy_reference(params, PROMPTS[1], 10)
+    assert outs[0].tokens == greedy_reference(params, PROMPTS[0] + list(range(100, 140)), 10)
+    assert outs[2].tokens == greedy_reference(params, PROMPTS[2] + [7, 7, 7], 10)
+
+
+def test_multi_chunk_prefill_last_logits(params):
+    eng = make_engine(params, prefill_chunk=16)
+    prompt = [int(x) for x in np.random.RandomState(0).randint(1, CFG.vocab_size, 50)]
+    eng.append([3], [prompt])
+    np.testing.assert_allclose(np.asarray(eng._last_logits[3]), full_logits(params, prompt)[-1], atol=1e-4)
+
+
+@pytest.mark.parametrize("cut", ["full", "partial"])
+def test_copy_prefix_splice_matches_fresh_prefill(params, cut):
+    eng = make_engine(params)
+    eng.append([0], [PROMPTS[0]])
+    first = eng.generate([0], 9, jax.random.PRNGKey(1), temperature=1.0)[0]
+    history = PROMPTS[0] + first.tokens
+    length = len(history) if cut == "full" else len(history) - 4
+    eng.append([2], [[99, 98, 97, 96, 95, 94, 93, 92, 91, 90]])  # dst row has stale content to be replaced
+    eng.copy_prefix(0, 2, length)
+    assert eng.row_tokens(2) == history[:length]
+    probe = [250, 251, 252]
+    eng.append([2], [probe])  # the probe prompt goes after the copied prefix
+    eng.append([1], [history[:length] + probe])  # fresh re-prefill of the whole thing
+    a, b = eng.generate([2, 1], 12, jax.random.PRNGKey(0), greedy=True)
+    assert a.tokens == b.tokens == greedy_reference(params, history[:length] + probe, 12)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    # the source row is untouched by the splice
+    assert eng.row_tokens(0) == history
+
+
+def test_truncate_then_generate_recomputes_logits(params):
+    eng = make_engine(params)
+    eng.append([1], [PROMPTS[2]])
+    eng.truncate(1, 6)
+    out = eng.generate([1], 8, jax.random.PRNGKey(0), greedy=True)[0]
+    assert out.tokens == greedy_reference(params, PROMPTS[2][:6], 8)
+
+
+def test_top_p_one_sampling_statistics(params):
+    """Empirical next-token frequencies match softmax(z / T) (binomial 5-sigma bounds)."""
+    eng = make_engine(params)
+    temp, n_draws = 0.5, 0
+    counts = np.zeros(CFG.vocab_size)
+    for i in range(40):
+        eng.reset()
+        eng.append(list(range(B)), [PROMPTS[1]] * B)
+        for o in eng.generate(list(range(B)), 1, jax.random.PRNGKey(100 + i), temperature=temp):
+            counts[o.tokens[0]] += 1
+            n_draws += 1
+    p = np.exp(log_softmax(full_logits(params, PROMPTS[1])[-1] / temp))
+    assert p.max() > 0.05  # the test is informative only for a peaked distribution
+    sigma = np.sqrt(n_draws * p * (1 - p)) + 1
+    assert np.all(np.abs(counts - n_draws * p) <= 5 * sigma)
+    top = np.argsort(-p)[:3]
+    assert counts[top].sum() > 0
+
+
+def test_top_p_keeps_samples_inside_nucleus(params):
+    eng = make_engine(params)
+    top_p = 0.6
+    z = full_logits(params, PROMPTS[1])[-1]
+    p = np.exp(log_softmax(z))
+    order = np.argsort(-p)
+    before = np.cumsum(p[order]) - p[order]
+    nucleus = set(order[before < top_p].tolist())
+    seen = set()
+    for i in range(10):
+        eng.reset()
+        eng.append(list(range(B)), [PROMPTS[1]] * B)
+        for o in eng.generate(list(range(B)), 1, jax.random.PRNGKey(i), top_p=top_p):
+            seen.add(o.tokens[0])
+            q = np.where(np.isin(np.arange(len(p)), list(nucleus)), p, 0)
+            np.testing.assert_allclose(o.sampling_logprobs[0], np.log(q[o.tokens[0]] / q.sum()), atol=1e-5)
+    assert seen <= nucleus and len(nucleus) < CFG.vocab_size
+
+
+def test_eos_stops_row(params):
+    target = greedy_reference(params, PROMPTS[0], 6)
+    eos = target[4]
+    first = target.index(eos)
+    eng = make_engine(params, eos_ids=(eos,))
+    eng.append([0, 1], PROMPTS[:2])
+    a, b = eng.generate([0, 1], 10, jax.random.PRNGKey(0), greedy=True)
+    assert a.tokens == target[: first + 1] and a.stop_reason == "eos"
+    assert len(a.logprobs) == len(a.tokens)
+    assert eng.lengths()[0] == len(PROMPTS[0]) + first + 1
+    ref_b = greedy_reference(params, PROMPTS[1], 10)
+    assert b.tokens == ref_b[: ref_b.index(eos) + 1] if eos in ref_b else b.tokens == ref_b
+
+
+def test_params_setter_uses_new_weights_without_recompile(params):
+    eng = make_engine(params)
+    eng.append([0], [PROMPTS[0]])
+    eng.generate([0], 8, jax.random.PRNGKey(0), greedy=True)
+    compiled = kernels.decode_chunk._cache_size()
+    new = init_params(CFG, jax.random.PRNGKey(5), std=0.2)
+    eng.params = new
+    eng.reset()
+    eng.append([0], [PROMPTS[0]])
+    out = eng.generate([0], 8, jax.random.PRNGKey(0), greedy=True)[0]
+    assert out.tokens == greedy_reference(new, PROMPTS[0], 8)
+    assert kernels.decode_chunk._cache_size() == compiled
+
+
+def test_capacity_and_input_errors(params):
+    eng = make_engine(params)
+    with pytest.raises(ValueError, match="max_len"):
+        eng.append([0], [[1] * (S + 1)])
+    assert eng.lengths()[0] == 0  # nothing written
+    eng.append([0], [[1] * (S - 4)])
+    with pytest.raises(ValueError, match="exceeds max_len"):
+        eng.generate([0], 5, jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match="empty"):
+        eng.generate([1], 5, jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match="outside"):
+        eng.append([1], [[CFG.vocab_size]])
+    with pytest.raises(ValueError, match="distinct"):
+        eng.append([1, 1], [[1], [2]])
+    with pytest.raises(ValueError, match="out of range"):
+        eng.truncate(B, 0)
