@@ -18,6 +18,7 @@ import gin
 import numpy as np
 
 from rexrag_jax.data.schema import QAExample
+from rexrag_jax.rl.prompt_pool import PromptPoolDistribution
 from rexrag_jax.rollout.types import SEG_INFO, SEG_PROBE, SEG_PROMPT, SEG_RESPONSE, TrajectoryBatch
 
 
@@ -76,6 +77,13 @@ class SyntheticRollout:
     def __init__(self, vocab_size: int = 512, probe_prob: float = 0.5, correct_prob: float = 0.4):
         self.vocab_size, self.probe_prob, self.correct_prob = vocab_size, probe_prob, correct_prob
         self.pool_tokens = synthetic_pool(vocab_size)
+
+    def setup(self, model_cfg, params, num_trajectories: int, mesh=None) -> None:
+        if model_cfg.vocab_size < self.vocab_size:
+            raise ValueError(f"SyntheticRollout.vocab_size={self.vocab_size} > model vocab {model_cfg.vocab_size}")
+
+    def pool_distribution(self, vocab_size: int) -> PromptPoolDistribution:
+        return PromptPoolDistribution(self.pool_tokens, vocab_size=vocab_size)
 
     def __call__(self, params, examples, group_size: int, seed: int, use_probes: bool = True):
         batch = synthetic_batch(examples, group_size, self.vocab_size, seed, self.pool_tokens,

@@ -1,0 +1,389 @@
+"""REX-RAG / GRPO trainer: wires rollout → rewards → π_old / reference log-probs → probe filtering →
+advantages → behaviour density → mini-batch updates, with checkpoints, resume and logging.
+
+One training step s (s = number of completed steps before it):
+  1. questions  = next(data iterator)                          (num_questions per step)
+  2. rollouts   = rollout(params, questions, group_size, seed = hash(run seed, s))
+  3. rewards    R_i, EM_i (prepare.score)
+  4. π_old      log-probs of every row under the current params (+ entropy, for logging)
+  5. filtering  K probes kept by mean π_old log-prob of their inserted prompt (ρ from the EWMA)
+  6. π_ref      log-probs under the frozen initial params (only when kl_coef > 0)
+  7. A          group advantages over originals + kept probes;  α, err;  behaviour log-probs
+  8. updates    ppo_epochs × mini-batches (each: micro-batch accumulation, one AdamW step at lr(s))
+  9. ρ          ← 0.9 ρ + 0.1 · (fraction of kept probes with reward ≥ 1)
+Everything a step draws at random comes from (seed, s), so a resumed run repeats an uninterrupted one.
+A checkpoint after step s holds params, optimizer state, s, the data-iterator state, the seed and ρ.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import signal
+import time
+from typing import Sequence
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from rexrag_jax.data.iterator import ShardedIterator
+from rexrag_jax.models.qwen2 import model as qwen2
+from rexrag_jax.models.qwen2.config import Qwen2Config
+from rexrag_jax.rl.advantages import group_advantages
+from rexrag_jax.rl.behaviour import batch_alpha_err, behaviour_logprobs
+from rexrag_jax.rl.filtering import INITIAL_KEEP_RATIO
+from rexrag_jax.rl.loss import combine_micro_batches
+from rexrag_jax.rollout.types import SEG_PROMPT
+from rexrag_jax.train import prepare
+from rexrag_jax.train.checkpoint import Checkpointer
+from rexrag_jax.train.metrics_log import MetricsLogger
+from rexrag_jax.train.optim import OptimizerConfig
+from rexrag_jax.train.update import LossConfig, make_logprob_fn, make_update_fn
+
+log = logging.getLogger(__name__)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Run hyperparameters (reference values of SPEC §6 as defaults)."""
+    seed: int = 0
+    total_steps: int = 1005
+    num_questions: int = 512          # ROLLOUT_BATCH: questions per step
+    group_size: int = 5               # rollouts per question
+    mini_batch: int = 256             # trajectories per optimizer step
+    micro_batch: int = 8              # trajectories per forward/backward (gradient accumulation)
+    logprob_batch: int = 0            # rows per π_old / π_ref pass (0: micro_batch)
+    max_seq_len: int = 4096           # trajectories are padded to a multiple of length_bucket, up to this
+    length_bucket: int = 512
+    ppo_epochs: int = 1
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    kl_coef: float = 0.001            # k3 KL to the frozen initial policy; 0 skips the reference pass
+    temperature: float = 1.0          # log-probs use logits / temperature (as sampled)
+    logprob_chunk: int = 512          # positions per chunk of the log-softmax (0: full logits)
+    use_probes: bool = True           # False: plain GRPO (the ablation)
+    initial_keep_ratio: float = INITIAL_KEEP_RATIO
+    keep_ratio_decay: float = 0.9
+    structure_format_score: float = 0.0
+    shuffle_mini_batches: bool = True
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 3
+    eval_every: int = 150
+    eval_examples: int = 0            # validation questions per evaluation (0: all)
+    mesh_shape: Sequence[int] | None = None  # (data, fsdp, tensor); None: single device, no mesh
+    inject_nonfinite_steps: Sequence[int] = ()  # test hook: poison the loss of these steps (0-based)
+    debug_sleep_s: float = 0.0        # test hook: pause after each step (widens the window of kill tests)
+
+    def __post_init__(self):
+        for name in ("total_steps", "num_questions", "group_size", "mini_batch", "micro_batch", "max_seq_len",
+                     "length_bucket", "ppo_epochs", "checkpoint_every", "keep_checkpoints"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: expected a positive integer")
+        if self.mini_batch % self.micro_batch:
+            raise ValueError(f"TrainConfig.mini_batch={self.mini_batch} must be a multiple of "
+                             f"micro_batch={self.micro_batch}")
+
+
+@gin.configurable
+def qa_examples(files: Sequence[str] = (), synthetic: int = 0, data_source: str | None = None):
+    """Training/validation questions: read `files` (Search-R1 schema) or make `synthetic` toy ones."""
+    if files:
+        from rexrag_jax.data.readers import read_qa_files
+        return read_qa_files(list(files), data_source=data_source)
+    if synthetic:
+        from rexrag_jax.train.synthetic import synthetic_examples
+        return synthetic_examples(synthetic)
+    return []
+
+
+def step_seed(seed: int, step: int) -> int:
+    """A 31-bit seed for step `step` of run `seed` (independent streams per step)."""
+    return int(np.random.SeedSequence([int(seed), int(step)]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+class _Terminate:
+    """SIGTERM → finish the current step, checkpoint, exit 0 (preemption notice on TPU VMs)."""
+
+    def __init__(self):
+        self.requested = False
+
+    def install(self):
+        try:
+            signal.signal(signal.SIGTERM, self._handler)
+        except ValueError:  # not the main thread (e.g. some test runners): no handler
+            pass
+
+    def _handler(self, signum, frame):
+        self.requested = True
+
+
+@gin.configurable(denylist=["run_dir"])
+class Trainer:
+    def __init__(self, run_dir: str, model_cfg: Qwen2Config = gin.REQUIRED, rollout=gin.REQUIRED,
+                 config: TrainConfig | None = None, optimizer: OptimizerConfig | None = None,
+                 train_examples=gin.REQUIRED, val_examples=None, init_checkpoint: str | None = None,
+                 use_tensorboard: bool = True):
+        self.run_dir = os.path.abspath(run_dir)
+        self.cfg = config or TrainConfig()
+        self.opt_cfg = optimizer or OptimizerConfig(total_steps=self.cfg.total_steps)
+        self.model_cfg = model_cfg
+        self.rollout = rollout
+        self.train_examples = list(train_examples)
+        self.val_examples = list(val_examples or [])
+        if len(self.train_examples) < self.cfg.num_questions:
+            raise ValueError(f"Trainer: {len(self.train_examples)} training questions cannot fill one step of "
+                             f"TrainConfig.num_questions={self.cfg.num_questions}")
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.logger = MetricsLogger(self.run_dir, use_tensorboard)
+        self.terminate = _Terminate()
+
+        self.mesh = None
+        if self.cfg.mesh_shape:
+            from rexrag_jax.sharding import make_mesh
+            self.mesh = make_mesh(*self.cfg.mesh_shape)
+        self.dp_size = 1 if self.mesh is None else int(self.mesh.shape["data"] * self.mesh.shape["fsdp"])
+        for name in ("micro_batch", "logprob_batch"):
+            if (getattr(self.cfg, name) or self.cfg.micro_batch) % self.dp_size:
+                raise ValueError(f"TrainConfig.{name} must be a multiple of the data-parallel size {self.dp_size}")
+
+        self.params = self._initial_params(init_checkpoint)
+        self.ref_params = None
+        if self.cfg.kl_coef > 0:  # frozen copy of the initial policy
+            self.ref_params = jax.tree.map(lambda x: jnp.array(x, copy=True), self.params)
+        self.optimizer = self.opt_cfg.make()
+        self.opt_state = self._init_opt_state()
+        self.data = ShardedIterator(self.train_examples, self.cfg.num_questions, seed=self.cfg.seed)
+        self.step = 0
+        self.keep_ratio = float(self.cfg.initial_keep_ratio)
+
+        loss_cfg = LossConfig(self.cfg.eps_low, self.cfg.eps_high, self.cfg.kl_coef, self.cfg.temperature,
+                              self.cfg.logprob_chunk or None)
+        out_sh = None if self.mesh is None else (self._param_shardings, self._opt_shardings)
+        self._update = make_update_fn(model_cfg, self.optimizer, loss_cfg, out_sh)
+        self._logprob = make_logprob_fn(model_cfg, self.cfg.temperature, self.cfg.logprob_chunk or 512, True)
+        self._ref_logprob = make_logprob_fn(model_cfg, self.cfg.temperature, self.cfg.logprob_chunk or 512, False)
+        self.pool = rollout.pool_distribution(model_cfg.vocab_size)
+        rollout.setup(model_cfg, self.params, self.cfg.num_questions * self.cfg.group_size, self.mesh)
+        self.ckpt = Checkpointer(os.path.join(self.run_dir, "checkpoints"), keep=self.cfg.keep_checkpoints)
+
+    # --- state -----------------------------------------------------------------------------------
+    def _initial_params(self, init_checkpoint):
+        shardings = None
+        if self.mesh is not None:
+            from rexrag_jax.sharding import param_shardings
+            shardings = param_shardings(self.model_cfg, self.mesh)
+        self._param_shardings = shardings
+        if init_checkpoint:
+            from rexrag_jax.models.qwen2.hf_io import load_params
+            return load_params(init_checkpoint, self.model_cfg, shardings)
+        init = jax.jit(lambda k: qwen2.init_params(self.model_cfg, k), out_shardings=shardings)
+        return init(jax.random.PRNGKey(self.cfg.seed))
+
+    def _init_opt_state(self):
+        if self.mesh is None:
+            self._opt_shardings = None
+            return self.optimizer.init(self.params)
+        from jax.sharding import NamedSharding, PartitionSpec
+        shapes = jax.eval_shape(self.optimizer.init, self.params)
+        self._opt_shardings = optax.tree_map_params(
+            self.optimizer, lambda _, s: s, shapes, self._param_shardings,
+            transform_non_params=lambda _: NamedSharding(self.mesh, PartitionSpec()))
+        return jax.jit(self.optimizer.init, out_shardings=self._opt_shardings)(self.params)
+
+    def _meta(self) -> dict:
+        return {"step": self.step, "data_iterator": self.data.state(), "seed": self.cfg.seed,
+                "rng": {"kind": "seed+step", "seed": self.cfg.seed, "next_step": self.step},
+                "keep_ratio": self.keep_ratio}
+
+    def save(self) -> None:
+        self.ckpt.save(self.step, {"params": self.params, "opt_state": self.opt_state}, self._meta())
+        log.info("checkpoint %d written to %s", self.step, self.ckpt.directory)
+
+    def maybe_restore(self) -> bool:
+        step = self.ckpt.latest_step()
+        if step is None:
+            return False
+        state, meta = self.ckpt.restore(step, {"params": self.params, "opt_state": self.opt_state})
+        if int(meta["seed"]) != self.cfg.seed:
+            raise ValueError(f"{self.ckpt.directory}/{step}: checkpoint seed {meta['seed']} != TrainConfig.seed "
+                             f"{self.cfg.seed}; resuming would not repeat the run")
+        self.params, self.opt_state = state["params"], state["opt_state"]
+        self.step, self.keep_ratio = int(meta["step"]), float(meta["keep_ratio"])
+        self.data.restore(meta["data_iterator"])
+        print(f"resumed from checkpoint {step} in {self.ckpt.directory}", flush=True)
+        return True
+
+    # --- one step ----------------------------------------------------------------------------------
+    def _rows(self, fn, params, tokens, mask):
+        rows = self.cfg.logprob_batch or self.cfg.micro_batch
+        return prepare.rowwise(lambda t, m: fn(params, self._put(t), self._put(m)), (tokens, mask), rows)
+
+    def _put(self, x, leading: int = 0):
+        """Host array → device, sharded on its batch dim (dim `leading`) under a mesh."""
+        if self.mesh is None:
+            return jnp.asarray(x)
+        from jax.sharding import NamedSharding
+        from rexrag_jax.sharding import spec_for_shape
+        axes = (None,) * leading + ("batch",) + (None,) * (np.ndim(x) - leading - 1)
+        return jax.device_put(x, NamedSharding(self.mesh, spec_for_shape(axes, np.shape(x), self.mesh)))
+
+    def train_step(self) -> dict:
+        cfg, s = self.cfg, self.step
+        t0 = time.perf_counter()
+        questions = next(self.data)
+        batch, rstats = self.rollout(self.params, questions, cfg.group_size, step_seed(cfg.seed, s), cfg.use_probes)
+        if not cfg.use_probes and batch.is_probe.any():
+            batch = batch.select(~batch.is_probe)
+        t_rollout = time.perf_counter() - t0
+
+        rewards, correct = prepare.score(batch, cfg.structure_format_score)
+        batch.rewards = rewards
+        batch, truncated = prepare.fit_length(batch, cfg.length_bucket, cfg.max_seq_len)
+        with self._mesh_ctx():
+            old_logp, entropy = self._rows(self._logprob, self.params, batch.tokens, batch.attention_mask)
+        keep, kept_probes = prepare.filter_probes(batch, old_logp, self.keep_ratio, cfg.num_questions,
+                                                  cfg.group_size, self.dp_size)
+        kb = batch.select(keep)
+        old_k, ent_k, rew_k, cor_k = old_logp[keep], entropy[keep], rewards[keep], correct[keep]
+        ref_logp = None
+        if self.ref_params is not None:
+            with self._mesh_ctx():
+                ref_logp = self._rows(self._ref_logprob, self.ref_params, kb.tokens, kb.attention_mask)[0]
+        adv = np.asarray(group_advantages(rew_k, kb.group_ids))
+        alpha, err = batch_alpha_err(kb.is_probe, cor_k)
+        pool_logp = self.pool.logprob_matrix(kb.tokens, kb.is_probe, kb.probe_start, kb.probe_len)
+        behaviour = np.asarray(behaviour_logprobs(old_k, kb.loss_mask, kb.is_probe, kb.probe_start, kb.probe_len,
+                                                  pool_logp, alpha, err))
+        t_logprob = time.perf_counter() - t0 - t_rollout
+
+        arrays = {"tokens": kb.tokens, "attention_mask": kb.attention_mask, "loss_mask": kb.loss_mask,
+                  "behaviour_logp": behaviour.astype(np.float32), "advantages": adv.astype(np.float32),
+                  "is_probe": kb.is_probe}
+        if ref_logp is not None:
+            arrays["ref_logp"] = ref_logp.astype(np.float32)
+        lr = jnp.float32(self.opt_cfg.lr_at(s))
+        poison = jnp.bool_(s in tuple(cfg.inject_nonfinite_steps))
+        update_metrics = []
+        rng = np.random.default_rng([cfg.seed, s, 1]) if cfg.shuffle_mini_batches else None
+        with self._mesh_ctx():
+            for _ in range(cfg.ppo_epochs):
+                for mb in prepare.mini_batches(arrays, cfg.mini_batch, cfg.micro_batch, rng):
+                    mb = {k: self._put(v, leading=1) for k, v in mb.items()}
+                    self.params, self.opt_state, m = self._update(self.params, self.opt_state, mb, lr, poison)
+                    update_metrics.append(m)
+            update_metrics = jax.device_get(update_metrics)
+        t_update = time.perf_counter() - t0 - t_rollout - t_logprob
+
+        self.keep_ratio = prepare.next_keep_ratio(self.keep_ratio, rewards[kept_probes], cfg.keep_ratio_decay)
+        self.step += 1
+        t_step = time.perf_counter() - t0
+        metrics = _update_summary(update_metrics)
+        metrics.update(self._batch_metrics(batch, kb, rewards, correct, rew_k, ent_k, kept_probes, alpha, err))
+        metrics.update({"lr": float(lr), "keep_ratio": self.keep_ratio, "truncated_rows": truncated,
+                        "probes/created": int(batch.is_probe.sum()), "time/rollout": t_rollout,
+                        "time/logprob": t_logprob, "time/update": t_update, "time/step": t_step,
+                        "tokens_per_s": float(kb.attention_mask.sum()) / max(t_step, 1e-9),
+                        "update_tokens_per_s": float(kb.attention_mask.sum()) * cfg.ppo_epochs / max(t_update, 1e-9)})
+        for k, v in rstats.items():
+            if isinstance(v, (int, float)):
+                metrics[f"rollout/{k}"] = v
+        return metrics
+
+    def _batch_metrics(self, batch, kb, rewards, correct, rew_k, ent_k, kept_probes, alpha, err) -> dict:
+        orig = ~batch.is_probe
+        m = {"reward/mean": float(rew_k.mean()), "reward/original": float(rewards[orig].mean()),
+             "em/train": float(correct[orig].mean()), "probes/kept": int(len(kept_probes)),
+             "alpha": float(alpha), "err": float(err), "batch/trajectories": kb.size}
+        if len(kept_probes):
+            m["reward/probe_kept"] = float(rewards[kept_probes].mean())
+        if batch.is_probe.any():
+            m["reward/probe_all"] = float(rewards[batch.is_probe].mean())
+        for src in sorted({ex.data_source for ex in batch.examples}):
+            sel = orig & np.array([ex.data_source == src for ex in batch.examples])
+            m[f"em/train_{src}"] = float(correct[sel].mean())
+        mask = kb.loss_mask
+        m["entropy"] = float((ent_k * mask).sum() / max(mask.sum(), 1))
+        resp = (kb.attention_mask & (kb.segments != SEG_PROMPT)).sum(axis=1)
+        m["response_len/mean"], m["response_len/max"] = float(resp.mean()), float(resp.max())
+        m["loss_tokens/mean"] = float(mask.sum(axis=1).mean())
+        m["searches/mean"] = float(kb.num_searches.mean())
+        return m
+
+    def _mesh_ctx(self):
+        import contextlib
+        if self.mesh is None:
+            return contextlib.nullcontext()
+        from rexrag_jax.sharding import use_mesh
+        return use_mesh(self.mesh)
+
+    # --- validation ----------------------------------------------------------------------------------
+    def validate(self) -> dict:
+        if not self.val_examples or not hasattr(self.rollout, "evaluate"):
+            return {}
+        from rexrag_jax.rewards import exact_match, extract_last_answer
+        examples = self.val_examples[:self.cfg.eval_examples or None]
+        responses = self.rollout.evaluate(self.params, examples)
+        by_src: dict[str, list[float]] = {}
+        for ex, text in zip(examples, responses):
+            by_src.setdefault(ex.data_source, []).append(exact_match(extract_last_answer(text), ex.golden_answers))
+        out = {f"val/em_{k}": float(np.mean(v)) for k, v in sorted(by_src.items())}
+        out["val/em_mean"] = float(np.mean([np.mean(v) for v in by_src.values()]))
+        return out
+
+    # --- the loop ------------------------------------------------------------------------------------
+    def run(self, config_text: str | None = None) -> int:
+        """Train to total_steps (resuming from the latest checkpoint). Returns the exit code."""
+        self.terminate.install()
+        self.maybe_restore()
+        if config_text is not None:
+            self.logger.text("gin/operative_config", config_text, self.step)
+        last_saved = self.step
+        try:
+            while self.step < self.cfg.total_steps:
+                if self.terminate.requested:  # arrived between steps
+                    if last_saved != self.step:
+                        self.save()
+                    print(f"SIGTERM: checkpoint {self.step} written, exiting", flush=True)
+                    return 0
+                metrics = self.train_step()
+                if self.cfg.eval_every and self.step % self.cfg.eval_every == 0:
+                    metrics.update(self.validate())
+                self.logger.log(self.step, metrics)
+                if metrics.get("skipped_updates"):
+                    log.warning("step %d: %d update(s) skipped (non-finite loss or gradients)",
+                                self.step, metrics["skipped_updates"])
+                if self.step % self.cfg.checkpoint_every == 0 or self.terminate.requested:
+                    self.save()
+                    last_saved = self.step
+                if self.terminate.requested:
+                    print(f"SIGTERM: checkpoint {self.step} written, exiting", flush=True)
+                    return 0
+                if self.cfg.debug_sleep_s:
+                    time.sleep(self.cfg.debug_sleep_s)
+            if last_saved != self.step:
+                self.save()
+            return 0
+        finally:
+            self.ckpt.close()
+            self.logger.close()
+
+
+def _update_summary(outs: list[dict]) -> dict:
+    """Merge the per-mini-batch update metrics: token-weighted means, min/max, summed skips."""
+    split_keys = [k for k in outs[0] if "/" in k]
+    triples = [(0.0, 0, {k: o[k] for k in split_keys}) for o in outs]
+    _, merged = combine_micro_batches(triples)
+    out = {k: float(v) for k, v in merged.items()}
+    ok = [o for o in outs if not o["skipped"]]
+    out["loss"] = float(np.mean([o["loss"] for o in outs]))
+    out["grad_norm"] = float(np.mean([o["grad_norm"] for o in ok])) if ok else math.nan
+    out["skipped_updates"] = int(sum(int(o["skipped"]) for o in outs))
+    out["updates"] = len(outs)
+    if "all/kl_mean" in out:
+        out["kl"] = out["all/kl_mean"]
+    return out
