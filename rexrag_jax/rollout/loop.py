@@ -186,6 +186,7 @@ class _Rollout:
         self.trajs: list[_Traj] = []
         self.eos_ids = set(getattr(tokenizer, "eos_ids", [tokenizer.eos_id]))
         self.invalid_tokens = tokenizer.encode(config.invalid_action_text)
+        self._splice_saved: dict[int, int] = {}   # row -> prefix tokens its probe splice reused this turn
         self.stats = dict(turns=0, searches=0, retriever_calls=0, invalid_actions=0, answers=0,
                           context_truncations=0, obs_truncated=0, eos_trimmed=0, probe_candidates=0,
                           probes_drawn=0, probes_created=0, probes_dropped_no_slot=0, probes_dropped_budget=0,
@@ -205,10 +206,13 @@ class _Rollout:
                 self.ctx[r] = []
                 toks = full
                 self.stats["context_truncations"] += 1
+                # a probe spliced this turn is re-prefilled after all: its splice saved nothing
+                self.stats["prefill_tokens_saved_by_splice"] -= self._splice_saved.pop(r, 0)
             self.ctx[r] = full
             if toks:
                 rows.append(r)
                 lists.append(list(toks))
+        self._splice_saved.clear()
         if rows:
             t0 = time.perf_counter()
             self.engine.append(rows, lists)
@@ -343,6 +347,7 @@ class _Rollout:
         pending[dst] = partial_tokens + list(prompt)
         self.stats["probes_created"] += 1
         self.stats["prefill_tokens_saved_by_splice"] += cache_len
+        self._splice_saved[dst] = cache_len
 
     def finish(self) -> TrajectoryBatch:
         records = []

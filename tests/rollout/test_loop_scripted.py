@@ -285,3 +285,22 @@ def test_probe_rate_matches_revision_prob():
             created += stats["probes_created"]
         n = 500
         assert abs(created - n * p) < 4.5 * np.sqrt(n * p * (1 - p)), (created, n * p)
+
+
+def test_probe_that_overflows_the_context_is_reprefilled_truncated():
+    seen = []
+
+    def script(row, ctx_text, ctx_tokens):
+        seen.append(list(ctx_tokens))
+        if has_probe_prompt(ctx_text):
+            return "<answer> again </answer>"
+        return "<think> " + "long thoughts " * 3 + "</think><answer> wrong </answer>"
+    prompt_len = len(TOK.encode(prompt_text("alpha")))
+    max_context = prompt_len + 50            # the turn fits; turn + revision prompt does not
+    batch, stats, _, _ = rollout(script, batch_size=1, group_size=1, examples=EXAMPLES[:1], max_turns=2,
+                                 max_context=max_context, revision_prob=1.0)
+    assert batch.is_probe.tolist() == [False, True] and stats["context_truncations"] == 1
+    assert stats["prefill_tokens_saved_by_splice"] == 0       # the splice was undone by the re-prefill
+    end = int(batch.probe_start[1] + batch.probe_len[1])
+    assert seen[1] == truncate_context(batch.tokens[1, :end].tolist(), prompt_len, max_context)
+    assert len(seen[1]) == max_context and seen[1][:prompt_len] == batch.tokens[1, :prompt_len].tolist()
