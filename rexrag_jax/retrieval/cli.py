@@ -23,12 +23,12 @@ from rexrag_jax.retrieval.server import ServerLimits, serve
 
 @gin.configurable("encoder", module="retrieval")
 def make_encoder(kind: str = "minilm", model_dir: str | None = None, name: str | None = None,
-                 max_length: int = 256, batch_size: int = 64, data_parallel: bool = False):
+                 max_length: int = 256, batch_size: int = 64, data_parallel: bool = False, dtype: str = "float32"):
     """kind: "minilm" (packaged all-MiniLM-L6-v2), "e5" (local e5-*-v2 dir, query:/passage: prefixes),
-    or "bert" (any local HF BERT dir, no prefixes)."""
+    or "bert" (any local HF BERT dir, no prefixes). dtype: activation dtype ("bfloat16" on TPU)."""
     from rexrag_jax.retrieval import encoder as E
 
-    kw = dict(max_length=max_length, batch_size=batch_size, data_parallel=data_parallel)
+    kw = dict(max_length=max_length, batch_size=batch_size, data_parallel=data_parallel, dtype=dtype)
     if kind == "minilm":
         return E.TextEncoder.from_pretrained(model_dir or E.default_minilm_dir(), name=name or "all-MiniLM-L6-v2", **kw)
     if model_dir is None:
@@ -49,7 +49,7 @@ def build_settings(corpus_path: str = gin.REQUIRED, index_dir: str = gin.REQUIRE
 
 @gin.configurable("serve", module="retrieval")
 def serve_settings(host: str = "127.0.0.1", port: int = 8000, searcher: str | None = None,
-                   max_queries: int = 1024, max_topk: int = 100, max_batch_queries: int = 512):
+                   max_queries: int = 4096, max_topk: int = 100, max_batch_queries: int = 512):
     return dict(host=host, port=port, searcher=searcher,
                 limits=ServerLimits(max_queries=max_queries, max_topk=max_topk, max_batch_queries=max_batch_queries))
 

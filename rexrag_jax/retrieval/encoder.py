@@ -7,6 +7,7 @@ bounded number of times. E5 needs `query: ` / `passage: ` prefixes; MiniLM none.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Sequence
 
@@ -65,8 +66,11 @@ class TextEncoder:
         self._fn = jax.jit(lambda p, ids, mask: embed(p, ids, mask, cfg))
 
     @classmethod
-    def from_pretrained(cls, model_dir: str, *, name: str | None = None, **kw) -> "TextEncoder":
+    def from_pretrained(cls, model_dir: str, *, name: str | None = None, dtype: str = "float32",
+                        **kw) -> "TextEncoder":
+        """dtype = activation dtype (params stay float32; pooling and normalisation run in float32)."""
         cfg, params = load_hf_bert(model_dir)
+        cfg = dataclasses.replace(cfg, dtype=dtype)
         tok = load_bert_tokenizer(model_dir, kw.get("max_length", 256))
         return cls(cfg, params, tok, name=name or os.path.basename(os.path.normpath(model_dir)), **kw)
 
@@ -76,7 +80,7 @@ class TextEncoder:
 
     def describe(self) -> dict:
         """What an index manifest records (and checks at load) about the encoder."""
-        return {"name": self.name, "dim": self.dim, "max_length": self.max_length,
+        return {"name": self.name, "dim": self.dim, "max_length": self.max_length, "dtype": self.cfg.dtype,
                 "query_prefix": self.query_prefix, "passage_prefix": self.passage_prefix}
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:

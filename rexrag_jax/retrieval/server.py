@@ -22,7 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 @dataclasses.dataclass(frozen=True)
 class ServerLimits:
-    max_queries: int = 1024          # per request
+    max_queries: int = 4096          # per request; Search-R1 sends a whole turn's batch (512 x 5 = 2560)
     max_topk: int = 100
     max_query_chars: int = 8192
     max_body_bytes: int = 8 << 20

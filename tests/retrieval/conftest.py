@@ -7,9 +7,9 @@ from rexrag_jax.models.bert.hf_io import default_minilm_dir
 from rexrag_jax.retrieval.encoder import TextEncoder, load_bert_tokenizer
 
 
-def make_tiny_encoder(name="tiny-bert", seed=0, **kw):
+def make_tiny_encoder(name="tiny-bert", seed=0, dtype="float32", **kw):
     cfg = BertConfig(vocab_size=30522, hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64,
-                     max_position_embeddings=128)
+                     max_position_embeddings=128, dtype=dtype)
     kw.setdefault("max_length", 64)
     kw.setdefault("batch_size", 64)
     tok = load_bert_tokenizer(default_minilm_dir(), kw["max_length"])

@@ -97,3 +97,18 @@ def test_minilm_matches_sentence_transformers(shared_data):
     out = enc.encode(texts, kind="passage", progress=False)
     assert out.shape == (8, 384)
     np.testing.assert_allclose(out, ref, atol=1e-5)
+
+
+def test_data_parallel_and_bf16_encoding(make_encoder, shared_data):
+    import jax
+
+    texts = [p.contents for p in read_corpus(shared_data / "corpus" / "wiki18_sample_1000.jsonl")[:12]]
+    ref = make_encoder(batch_size=16).encode(texts)
+    assert jax.local_device_count() == 8   # tests/conftest.py: 8 fake CPU devices
+    dp = make_encoder(batch_size=16, data_parallel=True)
+    assert dp._sharding is not None
+    np.testing.assert_allclose(dp.encode(texts), ref, atol=1e-5)
+    out = make_encoder(batch_size=16, dtype="bfloat16").encode(texts)
+    assert out.dtype == np.float32
+    cos = (out * ref).sum(-1)
+    assert cos.min() > 0.99 and not np.allclose(out, ref, atol=1e-6)   # bf16 path really taken
