@@ -95,6 +95,24 @@ def test_load_into_mesh_shards_params_and_keeps_values(ckpts, loaded):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_mesh_load_materialises_only_device_slices(ckpts, monkeypatch):
+    """Every host buffer handed to JAX is one device's shard, never the whole (unsharded) leaf."""
+    sizes = {}
+    real = jax.make_array_from_callback
+
+    def spy(shape, sharding, cb, dtype=None):
+        def wrapped(index):
+            out = cb(index)
+            sizes.setdefault(tuple(shape), set()).add(out.size)
+            return out
+        return real(shape, sharding, wrapped, dtype=dtype)
+
+    monkeypatch.setattr(jax, "make_array_from_callback", spy)
+    cfg, params = hf_io.load_checkpoint(ckpts["untied_mha"][1], mesh=make_mesh(1, 4, 2), progress=False)
+    for leaf in (params["layers"]["q_kernel"], params["layers"]["gate_kernel"], params["lm_head"], params["embed"]):
+        assert sizes[leaf.shape] == {leaf.size // 8}, leaf.shape
+
+
 def test_reader_reads_only_the_device_slice(ckpts):
     """Each callback gets its device's index and returns exactly that slice (no full leaf per device)."""
     cfg = hf_io.load_config(ckpts["untied_mha"][1])

@@ -17,6 +17,7 @@ a failed export leaves nothing behind and never touches an existing export.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
@@ -147,6 +149,9 @@ class SafetensorsDir:
                 if weight_map is None or weight_map.get(key) == name:
                     self.entries[key] = (path, dtype, shape, start, end)
         self._maps: dict[str, np.memmap] = {}
+
+    def close(self) -> None:
+        self._maps.clear()
 
     def shape(self, key: str) -> tuple[int, ...] | None:
         e = self.entries.get(key)
@@ -287,6 +292,7 @@ def load_params(ckpt_dir: str, cfg: Qwen2Config, shardings=None, *, param_dtype:
             raise TypeError(f"shardings[{path!r}] is {type(sharding).__name__}, expected a jax Sharding")
         node[leaf] = jax.make_array_from_callback(shape_node[leaf], sharding,
                                                   _leaf_reader(st, path, cfg, dtype), dtype=dtype)
+        st.close()  # unmap: the pages this leaf touched leave our RSS before the next leaf is read
     return params
 
 
@@ -318,6 +324,14 @@ def _parse_size(size: int | str) -> int:
     return int(float(m.group(1)) * base ** " KMGT".index(unit[0] if unit[0] in "KMGT" else " "))
 
 
+@functools.partial(jax.jit, static_argnames=("perm", "dtype"))
+def _to_hf_order(a: jax.Array, i: jax.Array | None, perm: tuple[int, ...], dtype: np.dtype) -> jax.Array:
+    """Layer i (if given) of leaf `a`, transposed to the HF atom order and cast, on device: one compile
+    per leaf (a static a[i] would compile once per layer) and XLA's transpose instead of numpy's."""
+    x = a if i is None else jax.lax.dynamic_index_in_dim(a, i, axis=0, keepdims=False)
+    return jnp.transpose(x, np.argsort(perm)).astype(dtype)
+
+
 def _host(x) -> np.ndarray:
     """Gather a (possibly multi-host) array to a numpy array on this host."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
@@ -343,10 +357,10 @@ def _hf_tensors(params, cfg: Qwen2Config, dtype: np.dtype) -> list[tuple[str, tu
             raise ValueError(f"export: params[{path!r}] has shape {tuple(arr.shape)}, expected "
                              f"{tuple(shape_node[leaf])} for this config")
         layout, hf_shape = LAYOUTS[path], LAYOUTS[path].hf_shape(sizes)
+        stacked = "{i}" in KEY_MAP[path][0]
         for i, key in enumerate(hf_keys(path, cfg)):
-            stacked = "{i}" in KEY_MAP[path][0]
-            fetch = (lambda a=arr, i=i, lay=layout, st=stacked:
-                     lay.to_hf(_host(a[i] if st else a).astype(dtype), sizes))
+            fetch = (lambda a=arr, i=(np.int32(i) if stacked else None), perm=layout.perm, shape=hf_shape:
+                     np.ascontiguousarray(_host(_to_hf_order(a, i, perm, dtype))).reshape(shape))
             out.append((key, hf_shape, fetch))
     return out
 
