@@ -26,7 +26,8 @@ NUM_WORKERS=""
 RUN_DIR="${RUN_DIR:-}"
 GIN_FILES=()
 GIN_BINDINGS=()
-RETRIEVER_GIN="${RETRIEVER_GIN:-gin/retriever/wiki18_e5_scann.gin}"
+RETRIEVER_INDEX="${RETRIEVER_INDEX:-}"
+RETRIEVER_GIN="${RETRIEVER_GIN:-}"
 RETRIEVER_PORT=8000
 RETRIEVER_WORKER=0
 RETRIEVER_URL=""
@@ -66,7 +67,10 @@ Common options:
   --run-dir gs://B/RUN     GCS run dir: checkpoints, TensorBoard, trajectory dumps (env RUN_DIR)
   --gin-file F             (repeatable) trainer gin files, relative to the repo
   --gin-binding B          (repeatable) trainer gin bindings, e.g. "MAX_STEPS=1005"
-  --retriever-gin F        gin file for `rexrag serve-retriever`         [gin/retriever/wiki18_e5_scann.gin]
+  --retriever-index D      index dir built by `rexrag build-index`: a path on the worker, or gs://...
+                           (synced to ~/rexrag_index first) (env RETRIEVER_INDEX)
+  --retriever-gin F        extra gin file for `rexrag serve-retriever` (the index dir'"'"'s config.gin
+                           is always read), e.g. gin/retriever/e5_scann.gin
   --retriever-port P       [8000];  --retriever-worker W: worker that hosts it [0]
   --retriever-url URL      use an external retriever (skip starting one)
   --remote-dir D, --venv D code / virtualenv dirs under the remote home [rexrag_jax, rexrag_venv]
@@ -162,7 +166,7 @@ parse_args() {
       --yes) YES=1 ;;
       --name|--zone|--project|--accelerator|--version|--qr-name|--valid-until|--network|--subnetwork|\
       --num-workers|--run-dir|--gin-file|--gin-binding|--retriever-gin|--retriever-port|--retriever-worker|\
-      --retriever-url|--retriever-timeout|--remote-dir|--venv|--jax-version|--ssh-flag|--log-dir|--retries|\
+      --retriever-url|--retriever-timeout|--retriever-index|--remote-dir|--venv|--jax-version|--ssh-flag|--log-dir|--retries|\
       --retry-delay|--worker|--file|--lines|--poll|--assume-state)
         if (( ! has_inline )); then
           # A following flag is never a value: `--zone --dry-run` must not drop the --dry-run.
@@ -184,6 +188,7 @@ parse_args() {
           --gin-file) GIN_FILES+=("$value") ;;
           --gin-binding) GIN_BINDINGS+=("$value") ;;
           --retriever-gin) RETRIEVER_GIN="$value" ;;
+          --retriever-index) RETRIEVER_INDEX="$value" ;;
           --retriever-port) RETRIEVER_PORT="$value" ;;
           --retriever-worker) RETRIEVER_WORKER="$value" ;;
           --retriever-url) RETRIEVER_URL="$value" ;;
@@ -417,12 +422,20 @@ resolve_retriever_url() {
   URL="http://$ip:$RETRIEVER_PORT/retrieve"
 }
 
-do_retriever() {
+check_retriever_args() {
   require NAME ZONE
+  [[ -n "$RETRIEVER_URL" || -n "$RETRIEVER_INDEX" ]] \
+    || die "--retriever-index (an index dir on the worker or gs://...) or --retriever-url is required"
+}
+
+do_retriever() {
+  check_retriever_args
   if [[ -n "$RETRIEVER_URL" ]]; then log "using external retriever $RETRIEVER_URL"; return 0; fi
   common_remote_args
-  tpu_ssh "$RETRIEVER_WORKER" "$(remote_script start_retriever.sh "${REMOTE_ARGS[@]}" --port "$RETRIEVER_PORT" \
-    --gin-file "$RETRIEVER_GIN" --timeout "$RETRIEVER_TIMEOUT")"
+  local args=("${REMOTE_ARGS[@]}" --index-dir "$RETRIEVER_INDEX" --port "$RETRIEVER_PORT"
+              --timeout "$RETRIEVER_TIMEOUT")
+  if [[ -n "$RETRIEVER_GIN" ]]; then args+=(--gin-file "$RETRIEVER_GIN"); fi
+  tpu_ssh "$RETRIEVER_WORKER" "$(remote_script start_retriever.sh "${args[@]}")"
 }
 
 do_train() {

@@ -2,6 +2,7 @@
 # shellcheck source-path=SCRIPTDIR
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 USAGE='usage: launch/resume.sh --name NAME --zone ZONE --run-dir gs://BUCKET/RUN --gin-file F ...
+                        --retriever-index gs://BUCKET/INDEX
                         [--watch [--poll 300]] [--assume-state STATE] [--dry-run]
 
 Bring a run back after preemption. If the TPU (or queued resource) is not READY/ACTIVE it is deleted and
@@ -10,7 +11,8 @@ all workers and resumes from the latest checkpoint in --run-dir. With --watch, k
 seconds: recover after preemption, restart a trainer that died, stop when the trainer finished.
 Under --dry-run the state query is printed and the state is taken from --assume-state [PREEMPTED].'
 parse_args "$@"
-require NAME ZONE RUN_DIR
+check_train_args
+check_retriever_args
 start_log resume
 
 recover() {

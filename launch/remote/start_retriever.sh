@@ -3,20 +3,22 @@
 # CPU (JAX_PLATFORMS=cpu so it never takes the TPU from the trainer) and wait until POST /retrieve answers.
 # shellcheck source-path=SCRIPTDIR
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
-USAGE='usage: start_retriever.sh --gin-file F [--port 8000] [--timeout 1800] [--dry-run]'
+USAGE='usage: start_retriever.sh --index-dir DIR|gs://... [--gin-file F] [--port 8000] [--timeout 1800] [--dry-run]'
 PORT=8000
 GIN_FILE=""
+INDEX=""
 TIMEOUT=1800
 remote_flag() {
   case "$1" in
     --port) PORT="$2" ;;
     --gin-file) GIN_FILE="$2" ;;
+    --index-dir) INDEX="$2" ;;
     --timeout) TIMEOUT="$2" ;;
     *) return 1 ;;
   esac
 }
 parse_remote_args "$@"
-[[ -n "$GIN_FILE" ]] || die "--gin-file is required"
+[[ -n "$INDEX" ]] || die "--index-dir is required"
 start_remote_log retriever-start
 
 probe='{"queries": ["health check"], "topk": 1, "return_scores": false}'
@@ -28,8 +30,14 @@ if (( ! DRY_RUN )) && pid_alive "$LOGS/retriever.pid" && answers; then
 fi
 if (( ! DRY_RUN )) && pid_alive "$LOGS/retriever.pid"; then run kill "$(cat "$LOGS/retriever.pid")"; fi
 run mkdir -p "$LOGS"
-cmd=(env JAX_PLATFORMS=cpu "$VENV_BIN/rexrag" serve-retriever --gin_file "$CODE/$GIN_FILE" --host 0.0.0.0
-     --port "$PORT")
+if [[ "$INDEX" == gs://* ]]; then
+  # Index files are read many times at start-up: copy them to the local disk once (rsync is incremental).
+  run mkdir -p "$HOME/rexrag_index"
+  run gcloud storage rsync -r "$INDEX" "$HOME/rexrag_index"
+  INDEX="$HOME/rexrag_index"
+fi
+cmd=(env JAX_PLATFORMS=cpu "$VENV_BIN/rexrag" serve-retriever --index_dir "$INDEX" --host 0.0.0.0 --port "$PORT")
+if [[ -n "$GIN_FILE" ]]; then cmd+=(--gin_file "$CODE/$GIN_FILE"); fi
 if (( DRY_RUN )); then
   run "${cmd[@]}"
   exit 0

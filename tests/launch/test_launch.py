@@ -119,6 +119,7 @@ def test_setup_copies_to_all_workers_and_swaps_atomically(tmp_path):
 
 def test_up_runs_every_step_in_order(tmp_path):
     out = dry("up.sh", *BASE, "--accelerator", "v5p-8", "--run-dir", "gs://bkt/run1", "--log-dir", str(tmp_path),
+              "--retriever-index", "gs://bkt/index",
               "--gin-file", "gin/rexrag.gin", "--gin-file", "gin/model/qwen2.5-3b.gin")
     steps = [ln.split(" --")[0] for ln in out]
     assert steps == ["gcloud compute tpus tpu-vm create rr", f"mkdir -p {tmp_path}", f"tar -czf {tmp_path}/rexrag_jax.tgz -C {LAUNCH.parent}",
@@ -127,6 +128,7 @@ def test_up_runs_every_step_in_order(tmp_path):
                      "gcloud compute tpus tpu-vm ssh rr", "gcloud compute tpus tpu-vm describe rr",
                      "gcloud compute tpus tpu-vm ssh rr"]
     assert "--worker=0" in out[5] and remote_command(out[5])[1] == "rexrag_jax/launch/remote/start_retriever.sh"
+    assert remote_command(out[5])[-6:] == ["--index-dir", "gs://bkt/index", "--port", "8000", "--timeout", "1800"]
     assert "--worker=all" in out[6] and remote_command(out[6])[1] == "rexrag_jax/launch/remote/kill_tpu.sh"
     assert out[7] == ("gcloud compute tpus tpu-vm describe rr --zone=us-west4-a "
                       "--format='value(networkEndpoints[0].ipAddress)'")
@@ -162,10 +164,15 @@ def test_remote_scripts_dry_run():
     kill = dry("remote/kill_tpu.sh")
     assert any("sudo lsof -t /dev/accel*" in ln and "xargs -r sudo kill -9" in ln for ln in kill)
     assert kill[-1] == "sudo rm -f /tmp/libtpu_lockfile"
-    retr = shlex.split(dry("remote/start_retriever.sh", "--gin-file", "gin/retriever/x.gin", "--port", "8123")[-1])
+    retr = shlex.split(dry("remote/start_retriever.sh", "--index-dir", "/mnt/idx", "--port", "8123")[-1])
     assert retr[:2] == ["env", "JAX_PLATFORMS=cpu"] and retr[3:] == [
-        "serve-retriever", "--gin_file", os.path.expanduser("~/rexrag_jax/gin/retriever/x.gin"),
-        "--host", "0.0.0.0", "--port", "8123"]
+        "serve-retriever", "--index_dir", "/mnt/idx", "--host", "0.0.0.0", "--port", "8123"]
+    out = dry("remote/start_retriever.sh", "--index-dir", "gs://b/idx", "--gin-file", "gin/retriever/e5_scann.gin")
+    local = os.path.expanduser("~/rexrag_index")
+    assert out[-2] == f"gcloud storage rsync -r gs://b/idx {local}"  # GCS index copied to local disk first
+    assert shlex.split(out[-1])[3:] == ["serve-retriever", "--index_dir", local, "--host", "0.0.0.0", "--port",
+                                        "8000", "--gin_file",
+                                        os.path.expanduser("~/rexrag_jax/gin/retriever/e5_scann.gin")]
     setup = dry("remote/setup_worker.sh", "--jax-version", "0.4.38")
     assert any("'jax[tpu]==0.4.38'" in ln for ln in setup) and setup[-2].endswith("pip install -q -e "
                                                                                     + os.path.expanduser("~/rexrag_jax"))
@@ -190,7 +197,8 @@ def test_tail_logs():
                    "--command='tail -n 200 rexrag_logs/train.log'"]
 
 
-RESUME = [*BASE, "--run-dir", "gs://b/r", "--gin-file", "gin/rexrag.gin", "--log-dir", "/tmp/unused-launch-logs"]
+RESUME = [*BASE, "--run-dir", "gs://b/r", "--gin-file", "gin/rexrag.gin", "--log-dir", "/tmp/unused-launch-logs",
+          "--retriever-index", "/mnt/disks/index"]
 
 
 def test_resume_after_preemption_recreates_then_restarts():
@@ -230,6 +238,11 @@ def test_resume_queued_not_found_creates_without_delete():
 def test_bad_arguments(args, message):
     r = sh("create.sh", *args, "--dry-run", check=False)
     assert r.returncode == 2 and message in r.stderr and r.stdout == ""
+
+
+def test_up_checks_everything_before_creating_anything():
+    r = sh("up.sh", *BASE, "--run-dir", "gs://b/r", "--gin-file", "g.gin", "--dry-run", check=False)
+    assert r.returncode == 2 and "--retriever-index" in r.stderr and r.stdout == ""
 
 
 def test_train_requires_gcs_run_dir_and_gin():
@@ -283,7 +296,7 @@ def test_gives_up_after_retries(fake_gcloud):
 def test_resume_on_healthy_vm_uses_worker0_ip(fake_gcloud):
     d, env = fake_gcloud
     sh("resume.sh", *BASE, "--run-dir", "gs://b/r", "--gin-file", "gin/rexrag.gin", "--retry-delay", "0",
-       "--log-dir", str(d / "logs"), env=env)
+       "--log-dir", str(d / "logs"), "--retriever-index", "/mnt/idx", env=env)
     calls = (d / "calls").read_text().splitlines()
     assert calls[0] == "compute tpus tpu-vm describe rr --zone=us-west4-a --format=value(state)"
     assert "start_train.sh" in calls[-1] and "--retriever-url http://10.0.0.2:8000/retrieve" in calls[-1]
@@ -299,7 +312,7 @@ def test_resume_after_preemption_real(fake_gcloud):
     (repo / ".git" / "HEAD").write_text("ref\n")
     logs = d / "logs"
     sh("resume.sh", *BASE, "--run-dir", "gs://b/r", "--gin-file", "gin/rexrag.gin", "--retry-delay", "0",
-       "--log-dir", str(logs), env={**env, "FAKE_STATE": "PREEMPTED", "REXRAG_REPO_ROOT": str(repo)})
+       "--log-dir", str(logs), "--retriever-index", "/mnt/idx", env={**env, "FAKE_STATE": "PREEMPTED", "REXRAG_REPO_ROOT": str(repo)})
     calls = (d / "calls").read_text().splitlines()
     assert [c.split(" rr")[0] for c in calls] == [
         "compute tpus tpu-vm describe", "compute tpus tpu-vm delete", "compute tpus tpu-vm create",

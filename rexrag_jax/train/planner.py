@@ -1,0 +1,426 @@
+"""Memory plan per device: will this gin config fit this TPU slice with this mesh?
+
+    rexrag plan --gin_file gin/rexrag.gin --gin_file gin/model/qwen2.5-3b.gin \
+                --mesh data=1,fsdp=8,tensor=1 --tpu v5e-8
+
+Everything is bytes per device, from shapes alone (nothing is allocated):
+
+  parameters        Σ_leaf shard(leaf) · bytes(param_dtype); shard() divides each dim by the mesh axes
+                    the sharding rules give it (rexrag_jax.sharding.rules.spec_for_shape, the same
+                    function the trainer uses, so non-divisible dims stay replicated here too)
+  AdamW moments     2 · shard(params) · 4                        (m and v in float32)
+  master copy       shard(params) · 4, only when param_dtype is not float32
+  reference policy  shard(params) · bytes(param_dtype), when the KL term is on (kl_coef > 0)
+  gradients         shard(params) · bytes(param_dtype)  (one micro-batch's gradient)
+                    + shard(params) · 4 when accumulating over > 1 micro-batch (float32 accumulator)
+  activations       per micro-batch of b = ceil(MICRO_BATCH / (data·fsdp)) rows of T tokens (see
+                    `activation_bytes`), with and without per-layer remat
+  KV cache          (rollout) shard([L, B, S, KV, Hd]) · 2 (k and v) · bytes(dtype),
+                    B = ROLLOUT_BATCH rows, S = MAX_SEQ_LEN
+  decode logits     (rollout) ceil(B / (data·fsdp)) · V / tensor · 4
+
+Two phases share the device (colocated rollout and training, weights and optimizer state stay resident):
+  train peak   = params + moments + master + reference + gradients + activations(remat as configured)
+  rollout peak = params + moments + master + reference + KV cache + decode logits
+and the plan fits when max(train peak, rollout peak) <= HBM per device. XLA's own temporaries,
+fragmentation and the compiled programs are not counted: keep some headroom (the table flags > 90%).
+
+gin: model gin files set `MODEL_PRESET = "qwen2.5-3b"`; run-type gin files set `MAX_SEQ_LEN`,
+`ROLLOUT_BATCH` (trajectories per rollout step), `MINI_BATCH`, `MICRO_BATCH` (global counts). Files are
+parsed with skip_unknown=True; command-line flags override or stand in for every value.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import types
+from typing import Sequence
+
+from rexrag_jax.models.qwen2.config import Qwen2Config
+from rexrag_jax.sharding.rules import LOGICAL_AXIS_RULES, MESH_AXES, spec_for_shape
+
+GiB = 1024 ** 3
+
+# HBM per JAX device (per chip; per TensorCore for v2/v3, which expose each core as a device).
+HBM_GIB = {"v2": 8, "v3": 16, "v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
+_TYPE_ALIASES = {"v5litepod": "v5e", "v5lite": "v5e"}
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+CACHE_LOGICAL_AXES = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
+
+
+# ---- TPU types and meshes ---------------------------------------------------------------------------
+def tpu_devices(tpu: str) -> tuple[str, int, float]:
+    """'v5e-8' -> ("v5e", JAX devices, HBM GiB per device).
+
+    Slice sizes count TensorCores for v2/v3/v4/v5p and chips for v5e/v6e. v4 and v5p chips are one
+    (megacore) device holding 2 cores, so v4-8 has 4 devices; v2/v3 expose each core as a device.
+    """
+    gen, _, size = tpu.lower().partition("-")
+    gen = _TYPE_ALIASES.get(gen, gen)
+    if gen not in HBM_GIB or not size.isdigit() or int(size) <= 0:
+        raise ValueError(f"--tpu {tpu!r} not understood; expected e.g. v4-8, v5e-8 (v5litepod-8), v5p-8, v6e-8 "
+                         f"(generations: {', '.join(HBM_GIB)})")
+    n = int(size)
+    devices = n // 2 if gen in ("v4", "v5p") else n
+    if devices < 1:
+        raise ValueError(f"--tpu {tpu!r}: a {gen} slice counts TensorCores, 2 per chip; expected an even size")
+    return gen, devices, float(HBM_GIB[gen])
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """'data=1,fsdp=8,tensor=1' -> {"data": 1, "fsdp": 8, "tensor": 1} (missing axes are 1)."""
+    mesh = {a: 1 for a in MESH_AXES}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, value = part.partition("=")
+        if not eq or name not in MESH_AXES or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--mesh {text!r}: bad entry {part!r}; expected axis=size with axis in "
+                             f"{MESH_AXES} and size >= 1, e.g. data=1,fsdp=8,tensor=1")
+        mesh[name] = int(value)
+    return mesh
+
+
+def _fake_mesh(mesh: dict[str, int]):
+    # spec_for_shape only reads mesh.shape, so no devices are needed to plan a 256-chip slice.
+    return types.SimpleNamespace(shape=dict(mesh))
+
+
+def shard_elements(shape: Sequence[int], logical_axes: Sequence[str | None], mesh: dict[str, int],
+                   rules=LOGICAL_AXIS_RULES) -> int:
+    """Elements of one device's shard: Π_d ceil(shape[d] / Π mesh sizes of the axes dim d is split over)."""
+    spec = spec_for_shape(logical_axes, shape, _fake_mesh(mesh), rules)
+    total = 1
+    for size, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        total *= -(-size // math.prod(mesh[a] for a in axes))
+    return total
+
+
+# ---- model sizes ------------------------------------------------------------------------------------
+def _param_tables(cfg: Qwen2Config):
+    # Same leaves as models.qwen2.model.param_shapes / PARAM_LOGICAL_AXES (kept here to stay import-light;
+    # tests check both agree).
+    L, D, H, KV, Hd, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                             cfg.intermediate_size, cfg.vocab_size)
+    leaves = {
+        "embed": ((V, D), ("vocab", "embed")),
+        "attn_norm": ((L, D), ("layers", "norm")),
+        "q_kernel": ((L, D, H, Hd), ("layers", "embed", "heads", "head_dim")),
+        "q_bias": ((L, H, Hd), ("layers", "heads", "head_dim")),
+        "k_kernel": ((L, D, KV, Hd), ("layers", "embed", "kv_heads", "head_dim")),
+        "k_bias": ((L, KV, Hd), ("layers", "kv_heads", "head_dim")),
+        "v_kernel": ((L, D, KV, Hd), ("layers", "embed", "kv_heads", "head_dim")),
+        "v_bias": ((L, KV, Hd), ("layers", "kv_heads", "head_dim")),
+        "o_kernel": ((L, H, Hd, D), ("layers", "heads", "head_dim", "embed")),
+        "mlp_norm": ((L, D), ("layers", "norm")),
+        "gate_kernel": ((L, D, F), ("layers", "embed", "mlp")),
+        "up_kernel": ((L, D, F), ("layers", "embed", "mlp")),
+        "down_kernel": ((L, F, D), ("layers", "mlp", "embed")),
+        "final_norm": ((D,), ("norm",)),
+    }
+    if not cfg.tie_word_embeddings:
+        leaves["lm_head"] = ((D, V), ("embed", "vocab"))
+    return leaves
+
+
+def param_count(cfg: Qwen2Config) -> int:
+    """N = V·D + L·(2D + D·H·Hd + H·Hd + 2·(D·KV·Hd + KV·Hd) + H·Hd·D + 3·D·F) + D  (+ D·V if untied)."""
+    return sum(math.prod(shape) for shape, _ in _param_tables(cfg).values())
+
+
+def param_shard_elements(cfg: Qwen2Config, mesh: dict[str, int]) -> int:
+    """Parameter elements held by one device under the sharding rules."""
+    return sum(shard_elements(shape, axes, mesh) for shape, axes in _param_tables(cfg).values())
+
+
+def _split(n: int, k: int) -> int:
+    """Per-device size of a dim of n split k ways when divisible (the rules replicate it otherwise)."""
+    return n // k if n % k == 0 else n
+
+
+def activation_bytes(cfg: Qwen2Config, rows: int, seq_len: int, tensor: int = 1, remat: bool = False,
+                     logprob_chunk: int | None = None) -> int:
+    """Bytes kept for the backward pass of one micro-batch on one device (approximate, from the layer code).
+
+    Per token and layer, with β = bytes(dtype), heads/mlp/vocab dims divided by `tensor` when divisible:
+        a_layer = β·(4D + (2H + 2KV)·Hd + 3F) + (4 + β)·H·T
+    (layer input, 2 normed inputs, post-attention residual; q,k,v and the attention output; gate, up,
+    silu(gate)·up; softmax probabilities over T keys in float32 and cast to β).
+        no remat: L · a_layer · rows · T
+        remat:    (L · β·D + a_layer) · rows · T        (layer inputs + one layer recomputed at a time)
+    plus float32 logits and their log-softmax, 2 · 4 · V per token over T tokens (or over
+    `logprob_chunk` tokens when the log-prob pass is chunked).
+    """
+    b = DTYPE_BYTES[cfg.dtype]
+    D, L = cfg.hidden_size, cfg.num_layers
+    H, KV = _split(cfg.num_heads, tensor), _split(cfg.num_kv_heads, tensor)
+    F, V = _split(cfg.intermediate_size, tensor), _split(cfg.vocab_size, tensor)
+    per_layer = b * (4 * D + (2 * H + 2 * KV) * cfg.head_dim + 3 * F) + (4 + b) * H * seq_len
+    tokens = rows * seq_len
+    layers = (L * b * D + per_layer) * tokens if remat else L * per_layer * tokens
+    logit_tokens = rows * (min(logprob_chunk, seq_len) if logprob_chunk else seq_len)
+    return layers + 2 * 4 * V * logit_tokens
+
+
+def kv_cache_bytes(cfg: Qwen2Config, batch: int, max_len: int, mesh: dict[str, int]) -> int:
+    """One device's k and v: 2 · shard([L, B, S, KV, Hd]) · bytes(dtype) (B over data·fsdp, KV over tensor)."""
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return 2 * shard_elements(shape, CACHE_LOGICAL_AXES, mesh) * DTYPE_BYTES[cfg.dtype]
+
+
+# ---- the plan ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PlanInputs:
+    cfg: Qwen2Config
+    preset: str
+    mesh: dict[str, int]
+    tpu: str
+    max_seq_len: int
+    rollout_batch: int
+    mini_batch: int
+    micro_batch: int
+    reference_model: bool = True
+    logprob_chunk: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    inputs: PlanInputs
+    num_params: int
+    devices: int
+    hbm_bytes: int
+    rows_per_device: int
+    components: dict[str, int]  # name -> bytes per device
+    train_peak: int
+    rollout_peak: int
+
+    @property
+    def peak(self) -> int:
+        return max(self.train_peak, self.rollout_peak)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.hbm_bytes
+
+
+def make_plan(inp: PlanInputs) -> MemoryPlan:
+    cfg, mesh = inp.cfg, inp.mesh
+    _, devices, hbm_gib = tpu_devices(inp.tpu)
+    if math.prod(mesh.values()) != devices:
+        raise ValueError(f"--mesh {mesh} has {math.prod(mesh.values())} devices but {inp.tpu} has {devices}")
+    for name in ("max_seq_len", "rollout_batch", "mini_batch", "micro_batch"):
+        if getattr(inp, name) <= 0:
+            raise ValueError(f"{name.upper()} must be a positive integer, got {getattr(inp, name)}")
+    if inp.mini_batch % inp.micro_batch:
+        raise ValueError(f"MINI_BATCH ({inp.mini_batch}) must be a multiple of MICRO_BATCH ({inp.micro_batch})")
+    pb = DTYPE_BYTES[cfg.param_dtype]
+    shard = param_shard_elements(cfg, mesh)
+    batch_ways = mesh["data"] * mesh["fsdp"]
+    rows = -(-inp.micro_batch // batch_ways)
+    act = {remat: activation_bytes(cfg, rows, inp.max_seq_len, mesh["tensor"], remat, inp.logprob_chunk)
+           for remat in (False, True)}
+    c = {
+        "parameters": shard * pb,
+        "adamw_moments": 2 * shard * 4,
+        "master_copy": shard * 4 if cfg.param_dtype != "float32" else 0,
+        "reference_policy": shard * pb if inp.reference_model else 0,
+        "gradients": shard * pb,
+        "grad_accumulator": shard * 4 if inp.mini_batch > inp.micro_batch else 0,
+        "activations_no_remat": act[False],
+        "activations_remat": act[True],
+        "kv_cache": kv_cache_bytes(cfg, inp.rollout_batch, inp.max_seq_len, mesh),
+        "decode_logits": -(-inp.rollout_batch // batch_ways) * _split(cfg.vocab_size, mesh["tensor"]) * 4,
+    }
+    resident = c["parameters"] + c["adamw_moments"] + c["master_copy"] + c["reference_policy"]
+    train = resident + c["gradients"] + c["grad_accumulator"] + act[cfg.remat]
+    rollout = resident + c["kv_cache"] + c["decode_logits"]
+    return MemoryPlan(inp, param_count(cfg), devices, int(hbm_gib * GiB), rows, c, train, rollout)
+
+
+def max_rollout_rows(plan: MemoryPlan) -> int:
+    """Largest ROLLOUT_BATCH whose rollout phase fits (0 if the resident state alone does not fit)."""
+    inp = plan.inputs
+    resident = plan.rollout_peak - plan.components["kv_cache"] - plan.components["decode_logits"]
+    free = plan.hbm_bytes - resident
+    ways = inp.mesh["data"] * inp.mesh["fsdp"]
+    one = (kv_cache_bytes(inp.cfg, ways, inp.max_seq_len, inp.mesh)
+           + _split(inp.cfg.vocab_size, inp.mesh["tensor"]) * 4)  # one row per batch shard
+    return max(0, free // one) * ways if free > 0 else 0
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:10.2f} GiB"
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    inp, cfg, c = plan.inputs, plan.inputs.cfg, plan.components
+    gen, _, hbm = tpu_devices(inp.tpu)
+    mesh = " ".join(f"{k}={v}" for k, v in inp.mesh.items())
+    pdt, adt = cfg.param_dtype, cfg.dtype
+    used = "remat" if cfg.remat else "no remat"
+    rows = [
+        ("parameters", f"{pdt}", c["parameters"]),
+        ("AdamW moments", "2 x float32", c["adamw_moments"]),
+        ("master copy", "float32" if c["master_copy"] else "(params are float32)", c["master_copy"]),
+        ("reference policy", "KL term" if c["reference_policy"] else "(no KL term)", c["reference_policy"]),
+        ("gradients", f"{pdt}, one micro-batch", c["gradients"]),
+        ("grad accumulator", "float32" if c["grad_accumulator"] else "(no accumulation)", c["grad_accumulator"]),
+        ("activations, no remat", f"{plan.rows_per_device} rows/device x {inp.max_seq_len}, {adt}"
+         + ("  <- used" if not cfg.remat else ""), c["activations_no_remat"]),
+        ("activations, remat", f"{plan.rows_per_device} rows/device x {inp.max_seq_len}, {adt}"
+         + ("  <- used" if cfg.remat else ""), c["activations_remat"]),
+        ("KV cache (rollout)", f"{inp.rollout_batch} rows x {inp.max_seq_len}, {adt}", c["kv_cache"]),
+        ("decode logits (rollout)", "float32", c["decode_logits"]),
+    ]
+    lines = [
+        f"memory plan: {inp.preset} on {inp.tpu} ({plan.devices} devices, {hbm:g} GiB HBM each; mesh {mesh})",
+        f"  {plan.num_params:,} parameters ({plan.num_params / 1e9:.2f}B), param_dtype={pdt}, dtype={adt}, "
+        f"remat={'on' if cfg.remat else 'off'}",
+        f"  MAX_SEQ_LEN={inp.max_seq_len} ROLLOUT_BATCH={inp.rollout_batch} MINI_BATCH={inp.mini_batch} "
+        f"MICRO_BATCH={inp.micro_batch} ({plan.rows_per_device} per device, "
+        f"{inp.mini_batch // inp.micro_batch} accumulation steps)",
+        "",
+        f"  {'component':26s} {'detail':40s} {'per device':>14s}",
+        f"  {'-' * 26} {'-' * 40} {'-' * 14}",
+    ]
+    lines += [f"  {name:26s} {detail:40s} {_gib(n)}" for name, detail, n in rows]
+    lines.append(f"  {'-' * 26} {'-' * 40} {'-' * 14}")
+    for name, n in ((f"train peak ({used})", plan.train_peak), ("rollout peak", plan.rollout_peak)):
+        share = n / plan.hbm_bytes
+        verdict = "fits" if share <= 0.9 else ("fits, tight (> 90%)" if share <= 1 else "DOES NOT FIT")
+        lines.append(f"  {name:26s} {f'{share:6.1%} of {hbm:g} GiB: {verdict}':40s} {_gib(n)}")
+    lines.append("")
+    lines.append(f"  verdict: {'fits' if plan.fits else 'does NOT fit'} on {inp.tpu} "
+                 f"(peak {plan.peak / GiB:.2f} GiB of {hbm:g} GiB per device)")
+    if plan.rollout_peak > plan.hbm_bytes:
+        lines.append(f"  rollout: at most {max_rollout_rows(plan)} rows fit the KV cache at this MAX_SEQ_LEN; "
+                     "generate in chunks of that many rows or add devices")
+    if plan.train_peak > plan.hbm_bytes and not cfg.remat:
+        lines.append("  training: try remat (model_config.remat = True) or a smaller MICRO_BATCH")
+    return "\n".join(lines)
+
+
+# ---- gin + CLI --------------------------------------------------------------------------------------
+def _gin_values(gin_files: Sequence[str], gin_bindings: Sequence[str]) -> dict[str, object]:
+    """Parse gin files (skip_unknown) and read the planner's macros and model_config bindings."""
+    import gin
+
+    from rexrag_jax.models.qwen2 import config as _config  # noqa: F401  (registers model_config)
+
+    gin.clear_config()
+    for f in gin_files:
+        if not os.path.exists(f):
+            raise FileNotFoundError(f"--gin_file {f}: no such file")
+        gin.add_config_file_search_path(os.path.dirname(os.path.abspath(f)))
+    gin.add_config_file_search_path(os.getcwd())
+    try:
+        gin.parse_config_files_and_bindings(list(gin_files), list(gin_bindings), skip_unknown=True,
+                                            finalize_config=False)
+    except Exception as e:  # gin raises several types; name the inputs
+        raise ValueError(f"gin: cannot parse {list(gin_files)} with bindings {list(gin_bindings)}: {e}") from e
+    out = {}
+    for key in ("MODEL_PRESET", "MAX_SEQ_LEN", "ROLLOUT_BATCH", "MINI_BATCH", "MICRO_BATCH", "LOGPROB_CHUNK",
+                "KL_COEF"):
+        try:
+            out[key] = gin.query_parameter(f"%{key}")
+        except ValueError:
+            pass
+    for key in ("preset", "dtype", "param_dtype", "remat"):
+        try:
+            out[key] = gin.query_parameter(f"model_config.{key}")
+        except ValueError:
+            pass
+    for key, value in list(out.items()):
+        out[key] = _resolve_macro(gin, key, value)
+    gin.clear_config()
+    return out
+
+
+def _resolve_macro(gin, key: str, value, depth: int = 0):
+    """`model_config.preset = %MODEL_PRESET` queries back as a reference to gin.macro; follow it."""
+    if isinstance(value, gin.config.ConfigurableReference):
+        *scopes, selector = value.scoped_selector.split("/")
+        if selector.endswith("macro") and scopes and depth < 8:
+            return _resolve_macro(gin, key, gin.query_parameter("%" + "/".join(scopes)), depth + 1)
+        raise ValueError(f"gin: {key} must be a literal value or a macro, got @{value.scoped_selector}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rexrag plan", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gin_file", action="append", default=[], help="gin file (repeatable)")
+    p.add_argument("--gin_bindings", action="append", default=[], help="gin binding (repeatable)")
+    p.add_argument("--mesh", default="data=1,fsdp=8,tensor=1", help="mesh axis sizes [data=1,fsdp=8,tensor=1]")
+    p.add_argument("--tpu", default="v5e-8", help="TPU type: v4-8, v5e-8, v5p-8, v6e-8, ... [v5e-8]")
+    p.add_argument("--preset", help="model preset (else %%MODEL_PRESET / model_config.preset)")
+    p.add_argument("--max_seq_len", type=int)
+    p.add_argument("--rollout_batch", type=int)
+    p.add_argument("--mini_batch", type=int)
+    p.add_argument("--micro_batch", type=int)
+    p.add_argument("--param_dtype", choices=sorted(DTYPE_BYTES))
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), help="compute / activation dtype")
+    p.add_argument("--remat", choices=("on", "off"))
+    p.add_argument("--logprob_chunk", type=int, help="tokens per chunk of the log-prob pass (0 = full logits)")
+    p.add_argument("--no_reference", action="store_true", help="no reference policy (KL coefficient 0)")
+    p.add_argument("--check", action="store_true", help="exit 1 when the plan does not fit")
+    return p
+
+
+def plan_from_args(argv: Sequence[str]) -> tuple[MemoryPlan, argparse.Namespace]:
+    args = _parser().parse_args(list(argv))
+    g = _gin_values(args.gin_file, args.gin_bindings) if (args.gin_file or args.gin_bindings) else {}
+
+    def pick(flag, *keys, required=True):
+        if flag is not None:
+            return flag
+        for k in keys:
+            if k in g:
+                return g[k]
+        if required:
+            names = " / ".join(f"%{k}" if k.isupper() else f"model_config.{k}" for k in keys)
+            raise ValueError(f"no value for {names}: set it in a gin file or pass the flag")
+        return None
+
+    preset = str(pick(args.preset, "MODEL_PRESET", "preset"))
+    cfg = Qwen2Config.from_preset(preset)
+    overrides = {}
+    for field, flag in (("param_dtype", args.param_dtype), ("dtype", args.dtype)):
+        value = pick(flag, field, required=False)
+        if value is not None:
+            overrides[field] = str(value)
+    remat = pick(None if args.remat is None else args.remat == "on", "remat", required=False)
+    if remat is not None:
+        overrides["remat"] = bool(remat)
+    cfg = cfg.replace(**overrides)
+    chunk = pick(args.logprob_chunk, "LOGPROB_CHUNK", required=False)
+    kl = g.get("KL_COEF")
+    inp = PlanInputs(
+        cfg=cfg, preset=preset, mesh=parse_mesh(args.mesh), tpu=args.tpu,
+        max_seq_len=int(pick(args.max_seq_len, "MAX_SEQ_LEN")),
+        rollout_batch=int(pick(args.rollout_batch, "ROLLOUT_BATCH")),
+        mini_batch=int(pick(args.mini_batch, "MINI_BATCH")),
+        micro_batch=int(pick(args.micro_batch, "MICRO_BATCH")),
+        reference_model=not args.no_reference and not (kl is not None and float(kl) == 0.0),
+        logprob_chunk=int(chunk) if chunk else None,
+    )
+    return make_plan(inp), args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        plan, args = plan_from_args(argv)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"rexrag plan: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(plan))
+    return 1 if (args.check and not plan.fits) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
