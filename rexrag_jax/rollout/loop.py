@@ -274,7 +274,10 @@ class _Rollout:
             self.stats["retriever_calls"] += 1
             if len(results) != len(search_rows):
                 raise RuntimeError(f"retriever returned {len(results)} result lists for {len(search_rows)} queries")
-            hits = dict(zip(search_rows, results))
+            texts = [format_observation(h) for h in results]
+            encode_batch = getattr(self.tok, "encode_batch", None)  # HF tokenizers encode in parallel
+            encoded = encode_batch(texts) if encode_batch else [self.tok.encode(t) for t in texts]
+            hits = dict(zip(search_rows, encoded))
 
         pending, candidates = {}, []
         for r in rows:
@@ -293,7 +296,7 @@ class _Rollout:
             elif final:
                 self.row_traj[r] = None
             elif act.kind == "search":
-                obs = self.tok.encode(format_observation(hits[r]))
+                obs = list(hits[r])
                 if len(obs) > cfg.max_obs_tokens:
                     obs = obs[: cfg.max_obs_tokens]
                     self.stats["obs_truncated"] += 1
