@@ -19,7 +19,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
            HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
@@ -115,9 +114,11 @@ def main(argv=None) -> int:
         peer = run_child("peer", ckpt, os.path.join(tmp, "ex_peer"))
     for name, r in (("rexrag_jax (mesh 1x4x2)", ours), ("transformers", peer)):
         print(f"{name:24s} load {r['load_s']:6.2f} s  resident +{(r['after'] - r['base']) / mib:6.0f} MiB  "
-              f"transient peak over resident {(r['peak'] - r['after']) / mib:6.0f} MiB  export {r['export_s']:6.2f} s (warm {r['export_warm_s']:.2f} s)")
+              f"transient peak over resident {(r['peak'] - r['after']) / mib:6.0f} MiB  "
+              f"export {r['export_s']:6.2f} s (warm {r['export_warm_s']:.2f} s)")
     print(f"load time ratio ours/transformers: {ours['load_s'] / peer['load_s']:.2f}; "
-          f"export time ratio: {ours['export_s'] / peer['export_s']:.2f} (warm {ours['export_warm_s'] / peer['export_s']:.2f})")
+          f"export time ratio: {ours['export_s'] / peer['export_s']:.2f} "
+          f"(warm {ours['export_warm_s'] / peer['export_s']:.2f})")
     full, chunked = logprob_memory()
     print(f"token_logprobs temp memory (B=4,T=1024,V=151936): full {full / mib:.0f} MiB, chunked(128) "
           f"{chunked / mib:.0f} MiB, ratio {full / max(chunked, 1):.1f}x")

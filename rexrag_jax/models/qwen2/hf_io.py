@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
+from jax.sharding import Sharding, SingleDeviceSharding
 from tqdm import tqdm
 
 from rexrag_jax.models.qwen2.config import Qwen2Config
