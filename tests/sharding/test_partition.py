@@ -66,7 +66,7 @@ def test_qwen25_3b_kv_heads_replicated_on_tensor_4():
     assert sh["embed"].spec == P("tensor", "fsdp") and "lm_head" not in sh
 
 
-@pytest.mark.parametrize("shape", [(8, 1, 1), (1, 4, 2), (2, 2, 2)])
+@pytest.mark.parametrize("shape", [(8, 1, 1), (1, 4, 2), (2, 2, 2), (1, 2, 4)])
 def test_sharded_forward_equals_unsharded(setup, shape):
     params, tokens, mask, ref = setup
     mesh = make_mesh(*shape)
@@ -76,6 +76,8 @@ def test_sharded_forward_equals_unsharded(setup, shape):
     fsdp, tensor = shape[1], shape[2]
     assert {s.data.shape for s in q.addressable_shards} == {(2, 64 // fsdp, 4 // tensor, 16)}
     assert {s.data.shape for s in sharded["lm_head"].addressable_shards} == {(64 // fsdp, 512 // tensor)}
+    if tensor == 4:  # 2 KV heads cannot split 4 ways: that dim is replicated, the rest still sharded
+        assert sharded["layers"]["k_kernel"].sharding.spec == P(None, "fsdp", None, None)
     if tensor > 1:
         assert sharded["layers"]["down_kernel"].sharding.spec == P(None, "tensor", "fsdp" if fsdp > 1 else None)
     logits = sharded_forward(CFG, mesh, shardings)(sharded, tokens, mask)
