@@ -24,6 +24,10 @@ class Tokenizer(abc.ABC):
     @abc.abstractmethod
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Same ids as [encode(t) for t in texts] (subclasses batch it natively)."""
+        return [self.encode(t) for t in texts]
+
     @abc.abstractmethod
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
 

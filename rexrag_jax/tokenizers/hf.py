@@ -70,6 +70,7 @@ class HFTokenizer(Tokenizer):
                  chat_template: str | None = None, extra_eos_ids: Sequence[int] = (), pad_id: int | None = None,
                  source: str = "tokenizer.json"):
         self._tok = backend
+        self._size = backend.get_vocab_size(with_added_tokens=True)
         self._source = source
         self._special = dict(special_tokens or {})
         self.chat_template = chat_template
@@ -147,11 +148,18 @@ class HFTokenizer(Tokenizer):
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        ids = list(map(int, ids))
+        # The Rust decoder silently drops unknown ids; a model whose embedding is larger than the
+        # vocabulary (Qwen: 151936 vs 151665) can sample them, so say so instead of losing text.
+        if ids and (min(ids) < 0 or max(ids) >= self._size):
+            bad = [i for i in ids if not 0 <= i < self._size]
+            raise ValueError(f"decode: token id(s) {bad[:5]} outside the vocabulary (size {self._size}) of "
+                             f"{self._source}")
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     @property
     def vocab_size(self) -> int:
-        return self._tok.get_vocab_size(with_added_tokens=True)
+        return self._size
 
     @property
     def eos_id(self) -> int:

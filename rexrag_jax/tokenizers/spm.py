@@ -50,6 +50,12 @@ class SentencePieceTokenizer(Tokenizer):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
         return list(self._sp.EncodeAsIds(text))
 
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        texts = list(texts)
+        if not all(isinstance(t, str) for t in texts):
+            raise TypeError("encode_batch expects a list of str")
+        return [list(x) for x in self._sp.Encode(texts, out_type=int)]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Decode; control pieces (which SentencePiece itself renders as "") are written out as their piece
         text unless skipped, so decode(encode(x)) == x and a trajectory shows where EOS was."""

@@ -89,6 +89,11 @@ def test_encode_matches_transformers(ours, references, text):
     assert ours.encode(text) == references[0].encode(text)
 
 
+def test_decode_rejects_ids_outside_vocab(ours):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        ours.decode([0, ours.vocab_size])
+
+
 def test_encode_batch_and_special_tokens_single_ids(ours):
     assert ours.encode_batch(SAMPLES) == [ours.encode(s) for s in SAMPLES]
     ids = ours.encode("<|im_start|>x<|im_end|><tool_call>")

@@ -56,6 +56,11 @@ def test_round_trip_exact(tok, text):
     assert 0 not in ids  # byte fallback: never <unk>
 
 
+def test_encode_batch(tok):
+    texts = ["<think> a </think>", "", "Doc 1(Title: x)\n", "東京 🙂"]
+    assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
+
+
 def test_concatenation_is_stable(tok):
     # No dummy-prefix space: encoding pieces separately decodes to the concatenated text.
     a, b = "Question: who wrote Hamlet?\n", "<think> maybe Shakespeare </think>"
