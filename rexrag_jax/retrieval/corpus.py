@@ -48,6 +48,10 @@ def _row_to_passage(row, where: str, default_id: str) -> Passage:
     else:
         raise CorpusError(f"{where}: row has neither 'contents' nor 'title'+'text' "
                           f"(keys: {sorted(row)[:8]})")
+    try:
+        contents.encode("utf-8")
+    except UnicodeEncodeError:
+        raise CorpusError(f"{where}: text contains an unpaired surrogate escape (not valid Unicode)") from None
     pid = row.get("id", default_id)
     if isinstance(pid, int) and not isinstance(pid, bool):
         pid = str(pid)

@@ -61,6 +61,10 @@ def parse_request(body: bytes, limits: ServerLimits) -> tuple[list[str], int, bo
             raise BadRequest(400, f"queries[{i}] must be a string, got {type(q).__name__}")
         if not q.strip():
             raise BadRequest(400, f"queries[{i}] is empty")
+        try:
+            q.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadRequest(400, f"queries[{i}] contains an unpaired surrogate escape (not valid Unicode)") from None
         if len(q) > limits.max_query_chars:
             raise BadRequest(413, f"queries[{i}] has {len(q)} characters, at most {limits.max_query_chars} allowed")
     topk = req.get("topk", 3)

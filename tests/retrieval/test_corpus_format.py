@@ -35,6 +35,7 @@ def test_title_text_jsonl_and_int_ids(tmp_path):
     ('{"id": "1", "contents": 5}', "'contents' must be a string"),
     ('[1, 2]', "expected a JSON object"),
     ('{"id": "", "contents": "a"}', "'id' must be a non-empty string"),
+    ('{"id": "1", "contents": "\\ud800"}', "unpaired surrogate"),
 ])
 def test_bad_rows_name_file_and_line(tmp_path, line, msg):
     p = tmp_path / "bad.jsonl"

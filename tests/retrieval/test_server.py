@@ -75,6 +75,7 @@ def test_http_client_equals_local_client(url, local):
     (b'{"queries": ["a"], "return_scores": "yes"}', 400, "'return_scores'"),
     (b'["a"]', 400, "expected a JSON object"),
     (b'{"queries": ["\xff\xfe"]}', 400, "not valid UTF-8"),
+    (b'{"queries": ["ok", "\\ud800"]}', 400, r"queries\[1\] contains an unpaired surrogate"),
     (json.dumps({"queries": ["q"] * 10_000}).encode(), 413, "at most 64"),
 ])
 def test_bad_requests_get_4xx_and_server_keeps_serving(url, body, status, msg):
