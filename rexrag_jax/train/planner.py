@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -252,6 +253,16 @@ def max_rollout_rows(plan: MemoryPlan) -> int:
     return max(0, free // one) * ways if free > 0 else 0
 
 
+def plan_to_dict(plan: MemoryPlan) -> dict:
+    inp = plan.inputs
+    return {"preset": inp.preset, "tpu": inp.tpu, "mesh": inp.mesh, "devices": plan.devices,
+            "num_params": plan.num_params, "param_dtype": inp.cfg.param_dtype, "dtype": inp.cfg.dtype,
+            "remat": inp.cfg.remat, "max_seq_len": inp.max_seq_len, "rollout_batch": inp.rollout_batch,
+            "mini_batch": inp.mini_batch, "micro_batch": inp.micro_batch, "hbm_bytes": plan.hbm_bytes,
+            "bytes_per_device": dict(plan.components), "train_peak": plan.train_peak,
+            "rollout_peak": plan.rollout_peak, "fits": plan.fits, "max_rollout_rows": max_rollout_rows(plan)}
+
+
 def _gib(n: int) -> str:
     return f"{n / GiB:10.2f} GiB"
 
@@ -368,6 +379,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--logprob_chunk", type=int, help="tokens per chunk of the log-prob pass (0 = full logits)")
     p.add_argument("--no_reference", action="store_true", help="no reference policy (KL coefficient 0)")
     p.add_argument("--check", action="store_true", help="exit 1 when the plan does not fit")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (bytes per device)")
     return p
 
 
@@ -418,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"rexrag plan: {e}", file=sys.stderr)
         return 2
-    print(format_plan(plan))
+    print(json.dumps(plan_to_dict(plan), indent=2) if args.json else format_plan(plan))
     return 1 if (args.check and not plan.fits) else 0
 
 

@@ -209,6 +209,17 @@ def test_cli_errors(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_json_output(capsys):
+    import json
+    args = ["--preset", "tiny", "--max_seq_len", "64", "--rollout_batch", "16", "--mini_batch", "8",
+            "--micro_batch", "4", "--mesh", "fsdp=8", "--tpu", "v5e-8", "--json"]
+    assert planner.main(args) == 0
+    d = json.loads(capsys.readouterr().out)
+    plan, _ = planner.plan_from_args(args)
+    assert d["bytes_per_device"] == plan.components and d["num_params"] == 107072 and d["fits"] is True
+    assert d["train_peak"] == plan.train_peak and d["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+
+
 def test_cli_entry_is_registered():
     from rexrag_jax.cli import COMMANDS
     assert COMMANDS["plan"][0] == "rexrag_jax.train.planner:main"
