@@ -305,3 +305,11 @@ def test_layout_table_inverts(ckpts):
     for path, layout in hf_io.LAYOUTS.items():
         x = rng.normal(size=layout.hf_shape(sizes)).astype(np.float32)
         np.testing.assert_array_equal(layout.to_hf(layout.to_ours(x, sizes), sizes), x)
+
+
+def test_load_params_rejects_a_config_that_disagrees_with_config_json(ckpts):
+    cfg = hf_io.load_config(ckpts["tied_gqa4"][1])
+    with pytest.raises(ValueError, match=r"rope_theta: config 10000\.0 vs checkpoint 5000\.0"):
+        hf_io.load_params(ckpts["tied_gqa4"][1], cfg.replace(rope_theta=10000.0), progress=False)
+    params = hf_io.load_params(ckpts["tied_gqa4"][1], cfg.replace(remat=True, dtype="bfloat16"), progress=False)
+    assert params["embed"].shape == (96, 32)

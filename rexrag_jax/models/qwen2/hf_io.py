@@ -201,6 +201,23 @@ def load_config(ckpt_dir: str, **overrides) -> Qwen2Config:
     return Qwen2Config.from_hf_dict(d, source=path, **overrides)
 
 
+# Fields that change the function the weights compute (dtype / remat / max length do not).
+_ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                "head_dim", "rope_theta", "rms_norm_eps", "tie_word_embeddings")
+
+
+def _check_config_matches(ckpt_dir: str, cfg: Qwen2Config) -> None:
+    """A cfg chosen elsewhere (gin preset) must agree with the checkpoint's own config.json."""
+    if not os.path.exists(os.path.join(ckpt_dir, "config.json")):
+        return
+    ref = load_config(ckpt_dir)
+    diff = [f"{f}: config {getattr(cfg, f)!r} vs checkpoint {getattr(ref, f)!r}"
+            for f in _ARCH_FIELDS if getattr(cfg, f) != getattr(ref, f)]
+    if diff:
+        raise ValueError(f"{os.path.join(ckpt_dir, 'config.json')}: does not match the model config: "
+                         + "; ".join(diff))
+
+
 def check_checkpoint(st: SafetensorsDir, cfg: Qwen2Config) -> None:
     """Raise one error listing every missing / mis-shaped tensor; warn about unused ones."""
     sizes, problems, used = _sizes(cfg), [], set()
@@ -272,6 +289,7 @@ def load_params(ckpt_dir: str, cfg: Qwen2Config, shardings=None, *, param_dtype:
     shardings: pytree of jax Shardings matching init_params(cfg) (e.g. sharding.param_shardings(cfg,
     mesh)); default: everything on jax.devices()[0]. param_dtype defaults to cfg.param_dtype.
     """
+    _check_config_matches(ckpt_dir, cfg)
     st = SafetensorsDir(ckpt_dir)
     check_checkpoint(st, cfg)
     dtype = np.dtype(ml_dtypes.bfloat16) if (param_dtype or cfg.param_dtype) == "bfloat16" else \
