@@ -313,3 +313,13 @@ def test_load_params_rejects_a_config_that_disagrees_with_config_json(ckpts):
         hf_io.load_params(ckpts["tied_gqa4"][1], cfg.replace(rope_theta=10000.0), progress=False)
     params = hf_io.load_params(ckpts["tied_gqa4"][1], cfg.replace(remat=True, dtype="bfloat16"), progress=False)
     assert params["embed"].shape == (96, 32)
+
+
+def test_iter_hf_tensors_yields_the_transformers_state_dict(ckpts, loaded):
+    model, _ = ckpts["untied_mha"]
+    cfg, params = loaded["untied_mha"]
+    got = dict(hf_io.iter_hf_tensors(params, cfg))
+    ref = {k: v.numpy() for k, v in model.state_dict().items()}
+    assert got.keys() == ref.keys()
+    for k in ref:
+        np.testing.assert_array_equal(got[k], ref[k], err_msg=k)
