@@ -26,6 +26,7 @@ NUM_WORKERS=""
 RUN_DIR="${RUN_DIR:-}"
 GIN_FILES=()
 GIN_BINDINGS=()
+TRAIN_ENV=()
 RETRIEVER_INDEX="${RETRIEVER_INDEX:-}"
 RETRIEVER_GIN="${RETRIEVER_GIN:-}"
 RETRIEVER_PORT=8000
@@ -67,6 +68,7 @@ Common options:
   --run-dir gs://B/RUN     GCS run dir: checkpoints, TensorBoard, trajectory dumps (env RUN_DIR)
   --gin-file F             (repeatable) trainer gin files, relative to the repo
   --gin-binding B          (repeatable) trainer gin bindings, e.g. "MAX_STEPS=1005"
+  --env KEY=VALUE          (repeatable) environment for the trainer, e.g. LIBTPU_INIT_ARGS=...
   --retriever-index D      index dir built by `rexrag build-index`: a path on the worker, or gs://...
                            (synced to ~/rexrag_index first) (env RETRIEVER_INDEX)
   --retriever-gin F        extra gin file for `rexrag serve-retriever` (the index dir'"'"'s config.gin
@@ -167,7 +169,7 @@ parse_args() {
       --name|--zone|--project|--accelerator|--version|--qr-name|--valid-until|--network|--subnetwork|\
       --num-workers|--run-dir|--gin-file|--gin-binding|--retriever-gin|--retriever-port|--retriever-worker|\
       --retriever-url|--retriever-timeout|--retriever-index|--remote-dir|--venv|--jax-version|--ssh-flag|--log-dir|--retries|\
-      --retry-delay|--worker|--file|--lines|--poll|--assume-state)
+      --retry-delay|--worker|--file|--lines|--poll|--assume-state|--env)
         if (( ! has_inline )); then
           # A following flag is never a value: `--zone --dry-run` must not drop the --dry-run.
           if (($# < 2)) || [[ "$2" == --* ]]; then die "$flag needs a value (see --help)"; fi
@@ -187,6 +189,9 @@ parse_args() {
           --run-dir) RUN_DIR="$value" ;;
           --gin-file) GIN_FILES+=("$value") ;;
           --gin-binding) GIN_BINDINGS+=("$value") ;;
+          --env)
+            [[ "$value" =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || die "--env expects KEY=VALUE, got '$value'"
+            TRAIN_ENV+=("$value") ;;
           --retriever-gin) RETRIEVER_GIN="$value" ;;
           --retriever-index) RETRIEVER_INDEX="$value" ;;
           --retriever-port) RETRIEVER_PORT="$value" ;;
@@ -445,5 +450,6 @@ do_train() {
   local args=("${REMOTE_ARGS[@]}" --run-dir "$RUN_DIR" --retriever-url "$URL") g
   for g in "${GIN_FILES[@]}"; do args+=(--gin-file "$g"); done
   for g in "${GIN_BINDINGS[@]}"; do args+=(--gin-binding "$g"); done
+  for g in "${TRAIN_ENV[@]}"; do args+=(--env "$g"); done
   tpu_ssh all "$(remote_script start_train.sh "${args[@]}")"
 }

@@ -6,17 +6,19 @@
 # shellcheck source-path=SCRIPTDIR
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 USAGE='usage: start_train.sh --run-dir gs://B/RUN --retriever-url URL --gin-file F [--gin-file F ...]
-                      [--gin-binding B ...] [--dry-run]'
+                      [--gin-binding B ...] [--env KEY=VALUE ...] [--dry-run]'
 RUN_DIR=""
 URL=""
 GIN_FILES=()
 GIN_BINDINGS=()
+EXTRA_ENV=()
 remote_flag() {
   case "$1" in
     --run-dir) RUN_DIR="$2" ;;
     --retriever-url) URL="$2" ;;
     --gin-file) GIN_FILES+=("$2") ;;
     --gin-binding) GIN_BINDINGS+=("$2") ;;
+    --env) [[ "$2" =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || die "--env expects KEY=VALUE, got '$2'"; EXTRA_ENV+=("$2") ;;
     *) return 1 ;;
   esac
 }
@@ -25,7 +27,7 @@ parse_remote_args "$@"
 [[ -n "$URL" ]] || die "--retriever-url is required"
 ((${#GIN_FILES[@]})) || die "at least one --gin-file is required"
 
-cmd=(env "REXRAG_RUN_DIR=$RUN_DIR" "REXRAG_RETRIEVER_URL=$URL" "$VENV_BIN/rexrag" train)
+cmd=(env "REXRAG_RUN_DIR=$RUN_DIR" "REXRAG_RETRIEVER_URL=$URL" "${EXTRA_ENV[@]}" "$VENV_BIN/rexrag" train)
 for f in "${GIN_FILES[@]}"; do cmd+=(--gin_file "$f"); done
 for b in "${GIN_BINDINGS[@]}"; do cmd+=(--gin_bindings "$b"); done
 cmd+=(--gin_bindings "RUN_DIR = '$RUN_DIR'" --gin_bindings "RETRIEVER_URL = '$URL'")

@@ -160,6 +160,19 @@ def test_gin_binding_quoting_survives_both_shells():
                            "--gin_bindings", "RETRIEVER_URL = 'http://10.1.2.3:8000/retrieve'"]
 
 
+def test_trainer_env_passthrough():
+    flags = "--xla_tpu_enable_latency_hiding_scheduler=true --xla_enable_async_all_gather=true"
+    out = dry("train.sh", *BASE, "--run-dir", "gs://b/r", "--gin-file", "g.gin", "--retriever-url", "http://h:1/retrieve",
+              "--env", f"LIBTPU_INIT_ARGS={flags}")
+    argv = remote_command(out[-1])
+    assert argv[argv.index("--env") + 1] == f"LIBTPU_INIT_ARGS={flags}"
+    cmd = shlex.split(dry("remote/start_train.sh", *argv[2:])[-1])
+    assert cmd[:4] == ["env", "REXRAG_RUN_DIR=gs://b/r", "REXRAG_RETRIEVER_URL=http://h:1/retrieve",
+                       f"LIBTPU_INIT_ARGS={flags}"]
+    r = sh("train.sh", *BASE, "--env", "not an assignment", "--dry-run", check=False)
+    assert r.returncode == 2 and "--env expects KEY=VALUE" in r.stderr
+
+
 def test_remote_scripts_dry_run():
     kill = dry("remote/kill_tpu.sh")
     assert any("sudo lsof -t /dev/accel*" in ln and "xargs -r sudo kill -9" in ln for ln in kill)
