@@ -134,3 +134,15 @@ def test_select_concat_and_jsonl_rows():
                        "probe_len": 2, "reward": 1.0}
     with pytest.raises(ValueError, match="pad ids"):
         T.concat([b, T.TrajectoryBatch.from_records(_records(), pad_id=0)])
+
+
+def test_rollout_config_is_gin_configurable():
+    import gin
+    # scoped bindings leave every other test's (unscoped) configuration untouched
+    with gin.unlock_config():
+        gin.parse_config(["rollout_test/RolloutConfig.max_turns = 2",
+                          "rollout_test/RolloutConfig.revision_prob = 0.5"])
+    with gin.config_scope("rollout_test"):
+        cfg = RolloutConfig()
+    assert (cfg.max_turns, cfg.revision_prob, cfg.topk, cfg.max_context) == (2, 0.5, 3, 4096)
+    assert RolloutConfig().max_turns == 5
