@@ -1,0 +1,508 @@
+"""`rexrag demo`: the embedded end-to-end run (CPU, no downloads, minutes).
+
+    rexrag demo --run_dir runs/demo [--seed 0] [--quick] [--gin_file F] [--gin_param 'DemoConfig.rl_steps=40']
+
+Phases (each timed, with progress bars):
+  1. world      synthetic fictional world (rexrag_jax.data.synthetic_world): corpus + 1/2/3-hop questions
+  2. index      MiniLM (packaged weights) + exact/ScaNN index over the world's corpus (build_default_retriever)
+  3. warm-start trajectories in the rollout format; a fraction answer too early with a wrong guess (dead ends)
+  4. tokenizer  SentencePiece trained on the world's text, agent tags and ChatML markers as user symbols
+  5. SFT        a tiny Qwen2-architecture policy learns the trajectories (rexrag_jax.train.sft)
+  6. eval       greedy, probe-free EM on the held-out split (warm start)
+  7. RL         REX-RAG (probes + policy correction) with rexrag_jax.train.Trainer
+  8. eval       the same held-out questions after RL; table of EM by hop count and the margin
+
+Run directory:
+    world/{corpus,train,test,warmstart}.jsonl   index/           tokenizer/demo.model
+    warmstart_model/   HF Qwen2 export + tokenizer (the RL init; loadable by transformers and hf_io)
+    rl/                Trainer run: checkpoints/<step>/ (orbax), tensorboard/, metrics.jsonl
+    tensorboard/       SFT + evaluation scalars     final_model/  HF export + tokenizer after RL
+    eval_{warmstart,rl}.jsonl  scored trajectories   summary.json  the table's numbers and phase times
+
+Evaluate the exported policy on other data (e.g. the real benchmark files with the wiki-18 sample):
+    rexrag demo eval --model RUN/final_model --corpus CORPUS.jsonl --data FILES_OR_DIRS [--limit N]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Sequence
+
+import gin
+import numpy as np
+
+HOP_SOURCES = ("synth_1hop", "synth_2hop", "synth_3hop")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+    """Everything the demo decides; gin-configurable (`DemoConfig.<field> = ...`, see gin/demo.gin)."""
+    # world and warm-start data
+    num_person: int = 120
+    num_city: int = 40
+    num_country: int = 10
+    num_company: int = 30
+    dead_end_fraction: float = 0.6      # warm-start trajectories that answer too early (wrongly)
+    sft_examples: int = 0               # warm-start trajectories used (0: the whole train split)
+    test_per_hop: int = 100             # held-out questions per hop count
+    vocab_size: int = 1024              # SentencePiece upper bound; the model's vocab is rounded up to 128
+    # policy: Qwen2 architecture, smaller than the "small" preset so that CPU training fits minutes
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    # supervised warm start
+    sft_steps: int = 200
+    sft_batch_size: int = 8
+    sft_lr: float = 1e-3
+    sft_time_budget_s: float | None = None
+    # REX-RAG
+    rl_steps: int = 15
+    num_questions: int = 8
+    group_size: int = 4
+    rl_lr: float = 1e-4
+    micro_batch: int = 8
+    kl_coef: float = 0.001
+    use_probes: bool = True
+    revision_prob: float = 0.5          # higher than the paper's 0.2: few wrong answers per small step
+    initial_keep_ratio: float = 0.25
+    rl_time_budget_s: float | None = None
+    curve_every: int = 0                # >0: greedy EM on `curve_examples` test questions every k RL steps
+    curve_examples: int = 60
+    # rollout (shorter than the paper's 500 tokens/turn, 4096 context: the demo's turns are ~30 tokens)
+    max_new_tokens: int = 64
+    max_context: int = 1024
+    topk: int = 3
+    max_turns: int = 5
+    length_bucket: int = 128           # sequences padded to multiples of this (each length compiles once)
+
+
+QUICK_OVERRIDES = dict(num_person=40, num_city=14, num_country=4, num_company=10, sft_examples=400,
+                       test_per_hop=10, sft_steps=25, rl_steps=2, num_questions=4, group_size=4,
+                       micro_batch=8, curve_every=0, vocab_size=700)
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+class CachedRetriever:
+    """Answers repeated queries from a cache; `prefetch` searches many queries in batched calls."""
+
+    def __init__(self, retriever, batch: int = 256):
+        self.retriever, self.batch, self.cache = retriever, batch, {}
+
+    def prefetch(self, queries: Sequence[str], topk: int) -> None:
+        todo = sorted({q for q in queries if (q, topk) not in self.cache})
+        for lo in range(0, len(todo), self.batch):
+            part = todo[lo:lo + self.batch]
+            for q, hits in zip(part, self.retriever.search(part, topk)):
+                self.cache[(q, topk)] = hits
+
+    def search(self, queries: Sequence[str], topk: int = 3) -> list[list[dict]]:
+        self.prefetch(queries, topk)
+        return [self.cache[(q, topk)] for q in queries]
+
+
+def model_config(cfg: DemoConfig, vocab_size: int):
+    from rexrag_jax.models.qwen2.config import Qwen2Config
+
+    return Qwen2Config(vocab_size=-(-vocab_size // 128) * 128, hidden_size=cfg.hidden_size,
+                       intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers,
+                       num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                       rope_theta=10000.0, tie_word_embeddings=True,
+                       max_position_embeddings=max(2048, cfg.max_context + cfg.max_new_tokens))
+
+
+def export_policy(params, model_cfg, tokenizer_model: str, out_dir: str) -> str:
+    """HF Qwen2 directory (safetensors + config.json) with the SentencePiece model beside it, written
+    to a temporary sibling and renamed (an existing export is replaced only once the new one is whole)."""
+    from rexrag_jax.models.qwen2.hf_io import export_checkpoint
+
+    tmp = tempfile.mkdtemp(prefix=".export-", dir=os.path.dirname(os.path.abspath(out_dir)))
+    try:
+        inner = export_checkpoint(params, model_cfg, os.path.join(tmp, "m"), progress=False)
+        shutil.copy(tokenizer_model, os.path.join(inner, "tokenizer.model"))
+        if os.path.exists(out_dir):
+            shutil.rmtree(out_dir)
+        os.replace(inner, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def evaluate_split(rollout, params, examples, out_path: str, progress: bool):
+    """Greedy, probe-free evaluation through rexrag_jax.evaluation (records, Summary)."""
+    from rexrag_jax.evaluation import evaluate
+
+    return evaluate(examples, lambda batch: rollout.evaluate(params, batch), batch_size=rollout.engine.batch_size,
+                    out_path=out_path, progress=progress)
+
+
+def hop_table(before, after) -> tuple[str, dict]:
+    """The summary table (hop count x EM warm start / after RL / delta, in EM points) and its numbers."""
+    rows, data = [], {}
+    lines = [f"{'questions':<12}{'n':>5}{'EM warm-start':>15}{'EM after RL':>13}{'delta':>8}"]
+    for src in HOP_SOURCES + ("all",):
+        if src == "all":
+            b, a = 100 * before.average, 100 * after.average
+            n = before.num_examples
+            name = "all (mean)"
+        else:
+            if src not in before.per_source:
+                continue
+            b, a = 100 * before.per_source[src]["em"], 100 * after.per_source[src]["em"]
+            n = before.per_source[src]["n"]
+            name = src.replace("synth_", "")
+        data[src] = {"n": n, "em_warmstart": b, "em_rl": a, "delta": a - b}
+        rows.append(f"{name:<12}{n:>5}{b:>15.1f}{a:>13.1f}{a - b:>+8.1f}")
+    return "\n".join(lines + ["-" * 53] + rows), data
+
+
+def prepare_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool, times: dict) -> dict:
+    """Phases 1-6: world, index, warm-start data, tokenizer, SFT, warm-start evaluation. The returned dict is
+    everything the RL phase needs; benchmarks/replication.py reuses it for a second RL arm."""
+    import jax
+
+    from rexrag_jax.data.synthetic_world import WorldConfig, generate_world, write_world
+    from rexrag_jax.data.warmstart import make_warmstart, training_text
+    from rexrag_jax.models.qwen2 import model as qwen2
+    from rexrag_jax.retrieval import build_default_retriever
+    from rexrag_jax.rollout import RolloutConfig
+    from rexrag_jax.tokenizers import load_tokenizer, train_sentencepiece
+    from rexrag_jax.train.metrics_log import MetricsLogger
+    from rexrag_jax.train.rollout_source import SearchRollout
+    from rexrag_jax.train.sft import SFTConfig, build_sft_data, train_sft
+
+    def phase(name):
+        times[name] = time.perf_counter()
+        _log(f"== {name}")
+
+    def done(name, extra=""):
+        times[name] = time.perf_counter() - times[name]
+        _log(f"   {name}: {times[name]:.1f}s {extra}")
+
+    phase("world")
+    wcfg = WorldConfig(seed=seed, num_person=cfg.num_person, num_city=cfg.num_city, num_country=cfg.num_country,
+                       num_company=cfg.num_company, test_per_hop=(cfg.test_per_hop,) * 3)
+    world = generate_world(wcfg)
+    paths = write_world(world, os.path.join(run_dir, "world"))
+    done("world", f"({len(world.names)} entities, {len(world.train)} train / {len(world.test)} test questions)")
+
+    phase("index")
+    retriever = CachedRetriever(build_default_retriever(paths["corpus"], os.path.join(run_dir, "index"),
+                                                        progress=progress))
+    done("index")
+
+    phase("warmstart_data")
+    sft_examples = world.train[:cfg.sft_examples] if cfg.sft_examples else world.train
+    retriever.prefetch([f"{s} {r}" for ex in sft_examples for s, r, _ in world.hops(ex.id)], cfg.topk)
+    trajectories = make_warmstart(world, dead_end_fraction=cfg.dead_end_fraction, seed=seed, retriever=retriever,
+                                  topk=cfg.topk, examples=sft_examples)
+    write_world(world, os.path.join(run_dir, "world"), trajectories)
+    done("warmstart_data", f"({len(trajectories)} trajectories, {sum(t['dead_end'] for t in trajectories)} dead ends)")
+
+    phase("tokenizer")
+    tok_path = train_sentencepiece(training_text(world, trajectories), os.path.join(run_dir, "tokenizer", "demo"),
+                                   cfg.vocab_size)
+    tokenizer = load_tokenizer(tok_path)
+    done("tokenizer", f"(vocab {tokenizer.vocab_size})")
+
+    phase("sft")
+    model_cfg = model_config(cfg, tokenizer.vocab_size)
+    data = build_sft_data(tokenizer, trajectories, cfg.max_context + cfg.max_new_tokens, cfg.length_bucket)
+    params = qwen2.init_params(model_cfg, jax.random.PRNGKey(seed))
+    logger = MetricsLogger(run_dir, use_tensorboard=True, stream=open(os.devnull, "w"))
+    sft_cfg = SFTConfig(steps=cfg.sft_steps, batch_size=cfg.sft_batch_size, learning_rate=cfg.sft_lr,
+                        length_bucket=cfg.length_bucket, time_budget_s=cfg.sft_time_budget_s)
+    params, sft_hist = train_sft(params, model_cfg, data, sft_cfg, seed=seed, log_fn=logger.log, progress=progress)
+    warm_dir = export_policy(params, model_cfg, tok_path, os.path.join(run_dir, "warmstart_model"))
+    done("sft", f"({sft_hist[-1]['step'] + 1} steps, final loss {sft_hist[-1]['loss']:.3f})")
+
+    phase("eval_warmstart")
+    # One greedy evaluation engine for before and after RL (same shapes, same retriever).
+    eval_cfg = RolloutConfig(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens, max_context=cfg.max_context,
+                             topk=cfg.topk, greedy=True, probes=False)
+    evaluator = SearchRollout(tokenizer_path=tok_path, retriever=retriever, config=eval_cfg)
+    evaluator.setup(model_cfg, params, cfg.num_questions * cfg.group_size)
+    _, before = evaluate_split(evaluator, params, world.test, os.path.join(run_dir, "eval_warmstart.jsonl"),
+                               progress)
+    logger.log(0, {f"eval/em_{k}": v["em"] for k, v in before.per_source.items()} | {"eval/em_mean": before.average})
+    logger.close()
+    done("eval_warmstart", f"(EM {100 * before.average:.1f})")
+    return dict(world=world, retriever=retriever, tok_path=tok_path, model_cfg=model_cfg, warm_dir=warm_dir,
+                sft_hist=sft_hist, evaluator=evaluator, before=before, run_dir=run_dir, times=dict(times))
+
+
+def run_demo(run_dir: str, seed: int = 0, cfg: DemoConfig | None = None, progress: bool = True,
+             warm: dict | None = None) -> dict:
+    """All phases (see the module docstring); returns the summary dict also written to summary.json.
+
+    warm: the result of a previous run's `summary["warm_state"]` (same seed and config) to skip phases 1-6
+    and start RL from the same warm-start policy (GRPO vs REX-RAG comparisons).
+    """
+    from tqdm.auto import tqdm
+
+    from rexrag_jax.rollout import RolloutConfig
+    from rexrag_jax.train.metrics_log import MetricsLogger
+    from rexrag_jax.train.optim import OptimizerConfig
+    from rexrag_jax.train.rollout_source import SearchRollout
+    from rexrag_jax.train.trainer import TrainConfig, Trainer
+
+    cfg = cfg or DemoConfig()
+    run_dir = os.path.abspath(run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    t_all = time.perf_counter()
+    times: dict[str, float] = {}
+    if warm is None:
+        warm = prepare_warm_start(run_dir, seed, cfg, progress, times)
+    else:
+        times.update({k: 0.0 for k in warm["times"]})  # reused, not recomputed
+    world, model_cfg, evaluator, before = warm["world"], warm["model_cfg"], warm["evaluator"], warm["before"]
+
+    _log("== rl")
+    t_rl = time.perf_counter()
+    rollout_cfg = RolloutConfig(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens, max_obs_tokens=500,
+                                max_context=cfg.max_context, topk=cfg.topk, temperature=1.0,
+                                probes=cfg.use_probes, revision_prob=cfg.revision_prob)
+    rollout = SearchRollout(tokenizer_path=warm["tok_path"], retriever=warm["retriever"], config=rollout_cfg)
+    n_rows = cfg.num_questions * cfg.group_size
+    train_cfg = TrainConfig(seed=seed, total_steps=cfg.rl_steps, num_questions=cfg.num_questions,
+                            group_size=cfg.group_size, mini_batch=(-(-n_rows // cfg.micro_batch) + 1) * cfg.micro_batch,
+                            micro_batch=cfg.micro_batch, max_seq_len=cfg.max_context + cfg.max_new_tokens,
+                            length_bucket=cfg.length_bucket, kl_coef=cfg.kl_coef, use_probes=cfg.use_probes,
+                            initial_keep_ratio=cfg.initial_keep_ratio, checkpoint_every=max(1, cfg.rl_steps),
+                            eval_every=0, logprob_chunk=0)
+    opt_cfg = OptimizerConfig(learning_rate=cfg.rl_lr, warmup_fraction=0.0, total_steps=cfg.rl_steps)
+    trainer = Trainer(os.path.join(run_dir, "rl"), model_cfg=model_cfg, rollout=rollout, config=train_cfg,
+                      optimizer=opt_cfg, train_examples=world.train, init_checkpoint=warm["warm_dir"])
+    curve_set = _curve_examples(world.test, cfg.curve_examples)
+    curve = []
+    if cfg.curve_every:
+        _, s0 = evaluate_split(evaluator, trainer.params, curve_set, None, False)
+        curve.append({"step": 0, "em": s0.average})
+    bar = tqdm(total=cfg.rl_steps, desc="REX-RAG" if cfg.use_probes else "GRPO", disable=not progress)
+    rl_log = []
+    try:
+        while trainer.step < cfg.rl_steps:
+            m = trainer.train_step()
+            trainer.logger.log(trainer.step, m)
+            rl_log.append({k: m[k] for k in ("em/train", "reward/mean", "probes/created", "probes/kept", "time/step")
+                           if k in m})
+            bar.update(1)
+            bar.set_postfix(em_train=f"{m.get('em/train', float('nan')):.2f}", probes=m.get("probes/kept", 0))
+            if cfg.curve_every and trainer.step % cfg.curve_every == 0:
+                _, s = evaluate_split(evaluator, trainer.params, curve_set, None, False)
+                curve.append({"step": trainer.step, "em": s.average})
+                trainer.logger.log(trainer.step, {"val/em_curve": s.average})
+            if cfg.rl_time_budget_s is not None and time.perf_counter() - t_rl > cfg.rl_time_budget_s:
+                _log(f"   RL stopped by its time budget after {trainer.step} steps")
+                break
+        bar.close()
+        trainer.save()
+    finally:
+        trainer.ckpt.close()
+        trainer.logger.close()
+    times["rl"] = time.perf_counter() - t_rl
+    _log(f"   rl: {times['rl']:.1f}s ({trainer.step} steps)")
+
+    _log("== eval_rl")
+    t_ev = time.perf_counter()
+    _, after = evaluate_split(evaluator, trainer.params, world.test, os.path.join(run_dir, "eval_rl.jsonl"), progress)
+    logger = MetricsLogger(run_dir, use_tensorboard=True, stream=open(os.devnull, "w"))
+    logger.log(trainer.step, {f"eval/em_{k}": v["em"] for k, v in after.per_source.items()}
+               | {"eval/em_mean": after.average})
+    logger.close()
+    final_dir = export_policy(trainer.params, model_cfg, warm["tok_path"], os.path.join(run_dir, "final_model"))
+    times["eval_rl"] = time.perf_counter() - t_ev
+    _log(f"   eval_rl: {times['eval_rl']:.1f}s (EM {100 * after.average:.1f})")
+
+    table, numbers = hop_table(before, after)
+    total = time.perf_counter() - t_all
+    summary = {"seed": seed, "config": dataclasses.asdict(cfg), "table": numbers,
+               "margin_em_points": numbers["all"]["delta"], "rl_steps": trainer.step,
+               "phase_seconds": {k: round(v, 1) for k, v in times.items()}, "total_seconds": round(total, 1),
+               "sft_history": warm["sft_hist"], "rl_log": rl_log, "curve": curve,
+               "checkpoint_dir": os.path.join(run_dir, "rl", "checkpoints"), "final_model": final_dir,
+               "warmstart_model": warm["warm_dir"], "warm_start_from": warm["run_dir"],
+               "tensorboard": [os.path.join(run_dir, "tensorboard"), os.path.join(run_dir, "rl", "tensorboard")]}
+    tmp = os.path.join(run_dir, ".summary.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(summary, f, indent=2)
+    os.replace(tmp, os.path.join(run_dir, "summary.json"))
+    summary["table_text"] = table
+    summary["warm_state"] = warm
+    return summary
+
+
+def _curve_examples(test, n):
+    """n held-out questions spread evenly over the hop counts (a cheap learning-curve probe)."""
+    by = {s: [e for e in test if e.data_source == s] for s in HOP_SOURCES}
+    k = max(1, n // len(HOP_SOURCES))
+    return [e for s in HOP_SOURCES for e in by[s][:k]]
+
+
+def print_summary(summary: dict) -> None:
+    _log("\n" + summary["table_text"])
+    m = summary["margin_em_points"]
+    verdict = "RL improved held-out EM" if m > 0 else "RL did NOT improve held-out EM"
+    _log(f"\nmargin: EM after RL - EM after warm start = {m:+.1f} points on "
+         f"{summary['table']['all']['n']} held-out questions ({verdict})")
+    _log(f"time: {summary['total_seconds']:.0f}s total; " + ", ".join(f"{k} {v:.0f}s"
+                                                                    for k, v in summary["phase_seconds"].items()))
+    _log(f"checkpoint: {summary['checkpoint_dir']}  exported policy: {summary['final_model']}")
+    _log(f"tensorboard --logdir {os.path.dirname(os.path.dirname(summary['checkpoint_dir']))}")
+
+
+# --- evaluation of an exported policy on any QA files -------------------------------------------------------
+@gin.configurable
+def eval_retriever(corpus_path: str = gin.REQUIRED, index_dir: str | None = None):
+    """In-process MiniLM retriever over `corpus_path` (index cached in index_dir, default beside the corpus
+    in a temp dir)."""
+    from rexrag_jax.retrieval import build_default_retriever
+
+    index_dir = index_dir or os.path.join(tempfile.gettempdir(), "rexrag_demo_index",
+                                          os.path.basename(corpus_path).replace(".", "_"))
+    return build_default_retriever(corpus_path, index_dir, progress=True)
+
+
+def make_eval_generate_fn(checkpoint: str, tokenizer: str | None = None, gin_files: Sequence[str] = (),
+                          gin_params: Sequence[str] = (), retriever_url: str | None = None, topk: int = 3,
+                          max_turns: int = 5, corpus: str | None = None, batch_size: int = 64,
+                          max_new_tokens: int = 500, max_context: int = 4096):
+    """generate_fn(list[QAExample]) -> responses: greedy, probe-free rollouts of an HF-format Qwen2 policy.
+
+    Same keyword arguments as rexrag_jax.evaluation.build_generate_fn passes (plus corpus, batch_size, and
+    the per-turn/context limits, SPEC §1 values by default). Retriever: `retriever_url` (Search-R1 HTTP
+    server), else `corpus` (in-process MiniLM), else gin `eval_retriever.corpus_path`.
+    """
+    import jax
+
+    from rexrag_jax.generation.engine import GenerationEngine
+    from rexrag_jax.models.qwen2.hf_io import load_checkpoint
+    from rexrag_jax.retrieval import HttpRetriever
+    from rexrag_jax.rollout import RolloutConfig, run_rollouts
+    from rexrag_jax.tokenizers import load_tokenizer
+
+    if not checkpoint:
+        raise ValueError("make_eval_generate_fn: --checkpoint (an HF-format policy directory) is required")
+    if gin_files or gin_params:
+        gin.parse_config_files_and_bindings(list(gin_files), list(gin_params), finalize_config=False)
+    model_cfg, params = load_checkpoint(checkpoint, progress=False)
+    tok = load_tokenizer(tokenizer or checkpoint)
+    if retriever_url:
+        retriever = HttpRetriever(retriever_url)
+    else:
+        retriever = eval_retriever(corpus) if corpus else eval_retriever()
+    cfg = RolloutConfig(max_turns=max_turns, max_new_tokens=max_new_tokens, max_context=max_context, topk=topk,
+                        greedy=True, probes=False)
+    engine = GenerationEngine(params, model_cfg, batch_size=batch_size, max_len=max_context + max_new_tokens,
+                              pad_id=tok.pad_id, eos_ids=tok.eos_ids, detokenize=tok.decode)
+
+    def generate_fn(examples):
+        out = []
+        for lo in range(0, len(examples), batch_size):
+            part = list(examples[lo:lo + batch_size])
+            batch, _ = run_rollouts(engine, tok, retriever, part, 1, jax.random.PRNGKey(0), cfg)
+            out.extend(batch.response_text[:len(part)])
+        return out
+    return generate_fn
+
+
+def eval_main(argv) -> int:
+    """`rexrag demo eval`: the 7-source EM table of an exported demo policy on QA files."""
+    from rexrag_jax.data.readers import list_qa_files, read_qa_file
+    from rexrag_jax.evaluation import evaluate, format_table
+
+    p = argparse.ArgumentParser(prog="rexrag demo eval", description=eval_main.__doc__)
+    p.add_argument("--model", required=True, help="HF-format policy dir (RUN/final_model or RUN/warmstart_model)")
+    p.add_argument("--corpus", help="Search-R1 corpus jsonl for the in-process MiniLM retriever")
+    p.add_argument("--retriever_url", help="Search-R1 POST /retrieve server instead of --corpus")
+    p.add_argument("--data", nargs="+", required=True, help="benchmark files or directories")
+    p.add_argument("--limit", type=int, help="first N questions of each file")
+    p.add_argument("--batch_size", type=int, default=32)
+    p.add_argument("--max_new_tokens", type=int, default=500)
+    p.add_argument("--max_context", type=int, default=4096)
+    p.add_argument("--out", help="scored trajectories (jsonl)")
+    args = p.parse_args(argv)
+    if not (args.corpus or args.retriever_url):
+        p.error("one of --corpus or --retriever_url is required")
+    examples = []
+    for f in list_qa_files(args.data):
+        rows = read_qa_file(f)
+        examples.extend(rows[:args.limit] if args.limit else rows)
+    gen = make_eval_generate_fn(args.model, retriever_url=args.retriever_url, corpus=args.corpus,
+                                batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                                max_context=args.max_context)
+    _, summary = evaluate(examples, gen, batch_size=args.batch_size, out_path=args.out)
+    print(format_table(summary))
+    return 0
+
+
+# --- CLI ------------------------------------------------------------------------------------------------------
+GIN_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gin")
+
+
+def parse_config(gin_files: Sequence[str], gin_params: Sequence[str], quick: bool) -> DemoConfig:
+    """gin/demo.gin (when present) + user files/bindings -> DemoConfig; --quick then shrinks everything."""
+    gin.clear_config()
+    files = [f if os.path.exists(f) else os.path.join(GIN_DIR, f) for f in gin_files]
+    default = os.path.join(GIN_DIR, "demo.gin")
+    if os.path.exists(default) and not gin_files:
+        files = [default]
+    gin.parse_config_files_and_bindings(files, list(gin_params), finalize_config=False)
+    cfg = DemoConfig()
+    if quick:
+        cfg = dataclasses.replace(cfg, **QUICK_OVERRIDES)
+    return cfg
+
+
+def enable_compile_cache() -> None:
+    """Persistent XLA compile cache (a second demo run skips most compilation), unless one is set."""
+    import jax
+
+    if not jax.config.jax_compilation_cache_dir:
+        path = os.environ.get("REXRAG_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rexrag_jax_xla"))
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "eval":
+        return eval_main(argv[1:])
+    p = argparse.ArgumentParser(prog="rexrag demo", description=__doc__.split("\n")[0],
+                                epilog="`rexrag demo eval --help`: evaluate an exported policy on QA files")
+    p.add_argument("--run_dir", default="runs/demo")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="~2-minute smoke version (tiny world, few steps)")
+    p.add_argument("--gin_file", action="append", default=[])
+    p.add_argument("--gin_param", action="append", default=[], help="e.g. 'DemoConfig.rl_steps = 40'")
+    p.add_argument("--no_progress", action="store_true")
+    args = p.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    enable_compile_cache()
+    import logging
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    try:
+        cfg = parse_config(args.gin_file, args.gin_param, args.quick)
+    except (ValueError, TypeError, OSError) as e:
+        print(f"rexrag demo: bad configuration: {e}", file=sys.stderr)
+        return 2
+    summary = run_demo(args.run_dir, args.seed, cfg, progress=not args.no_progress)
+    print_summary(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""`rexrag demo --quick` end to end, plus the pure pieces of the demo and the SFT warm start.
+
+The quick run is a smoke test of the wiring (world -> index -> warm start -> SFT -> REX-RAG -> eval):
+it asserts the artifacts (orbax checkpoint, TensorBoard events, exported policy, table) and that the
+numbers printed are the numbers recomputed from the scored trajectory files; it does not assert that
+RL improves EM (a 2-step run on a tiny world is not a reliable learning test).
+"""
+import glob
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rexrag_jax import demo
+from rexrag_jax.evaluation.scoring import Summary
+from rexrag_jax.tokenizers import train_sentencepiece, load_tokenizer
+from rexrag_jax.train import sft
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    run_dir = str(tmp_path_factory.mktemp("demo") / "run")
+    rc = demo.main(["--run_dir", run_dir, "--quick", "--seed", "0", "--no_progress"])
+    return rc, run_dir
+
+
+def test_quick_demo_runs_end_to_end(quick_run, capsys):
+    rc, run_dir = quick_run
+    assert rc == 0
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    # orbax checkpoint of the last RL step, TensorBoard event files for SFT/eval and for RL
+    steps = summary["rl_steps"]
+    assert steps == demo.QUICK_OVERRIDES["rl_steps"]
+    assert os.path.isdir(os.path.join(run_dir, "rl", "checkpoints", str(steps), "state"))
+    assert glob.glob(os.path.join(run_dir, "tensorboard", "events.out.tfevents.*"))
+    assert glob.glob(os.path.join(run_dir, "rl", "tensorboard", "events.out.tfevents.*"))
+    # exported policies: HF safetensors + config + the SentencePiece model
+    for d in ("warmstart_model", "final_model"):
+        files = set(os.listdir(os.path.join(run_dir, d)))
+        assert {"config.json", "model.safetensors", "tokenizer.model"} <= files
+    # the table's numbers are the EM means of the scored trajectory dumps
+    for name, key in (("eval_warmstart.jsonl", "em_warmstart"), ("eval_rl.jsonl", "em_rl")):
+        rows = [json.loads(line) for line in open(os.path.join(run_dir, name))]
+        assert len(rows) == 3 * demo.QUICK_OVERRIDES["test_per_hop"]
+        for src in demo.HOP_SOURCES:
+            ems = [r["em"] for r in rows if r["data_source"] == src]
+            assert summary["table"][src][key] == pytest.approx(100 * np.mean(ems))
+    t = summary["table"]
+    assert summary["margin_em_points"] == pytest.approx(t["all"]["em_rl"] - t["all"]["em_warmstart"])
+    # the SFT loss went down on the warm-start data
+    hist = summary["sft_history"]
+    assert hist[-1]["loss"] < hist[0]["loss"]
+
+
+def test_exported_policy_evaluates_on_other_data(quick_run, tmp_path):
+    """`rexrag demo eval` path: load the export, retrieve over a corpus, greedy rollouts, EM table."""
+    _, run_dir = quick_run
+    world_dir = os.path.join(run_dir, "world")
+    gen = demo.make_eval_generate_fn(os.path.join(run_dir, "final_model"), corpus=os.path.join(world_dir, "corpus.jsonl"),
+                                     batch_size=4, max_new_tokens=64, max_context=1024)
+    from rexrag_jax.data.readers import read_qa_file
+    examples = read_qa_file(os.path.join(world_dir, "test.jsonl"))[:4]
+    responses = gen(examples)
+    assert len(responses) == 4 and all(isinstance(r, str) and r for r in responses)
+    # greedy + probe-free: the same policy gives the same responses as the demo's own evaluation
+    dumped = {json.loads(line)["id"]: json.loads(line)["response"]
+              for line in open(os.path.join(run_dir, "eval_rl.jsonl"))}
+    assert responses == [dumped[e.id] for e in examples]
+
+
+def test_hop_table_rows_and_delta():
+    before = Summary({"synth_1hop": {"n": 10, "em": 0.1}, "synth_2hop": {"n": 10, "em": 0.5}}, 0.3, 20)
+    after = Summary({"synth_1hop": {"n": 10, "em": 0.6}, "synth_2hop": {"n": 10, "em": 0.4}}, 0.5, 20)
+    text, data = demo.hop_table(before, after)
+    assert data["synth_1hop"] == {"n": 10, "em_warmstart": 10.0, "em_rl": 60.0, "delta": 50.0}
+    assert data["synth_2hop"]["delta"] == pytest.approx(-10.0)
+    assert data["all"]["delta"] == pytest.approx(20.0)
+    assert "+50.0" in text and "-10.0" in text and "3hop" not in text
+
+
+def test_cached_retriever_batches_and_reuses():
+    calls = []
+
+    class Fake:
+        def search(self, queries, topk):
+            calls.append(list(queries))
+            return [[{"document": {"id": q, "contents": q}, "score": 1.0}] * topk for q in queries]
+
+    r = demo.CachedRetriever(Fake(), batch=2)
+    r.prefetch(["a", "b", "c", "a"], 3)
+    assert calls == [["a", "b"], ["c"]]
+    out = r.search(["c", "a"], 3)
+    assert calls == [["a", "b"], ["c"]] and [h[0]["document"]["id"] for h in out] == ["c", "a"]
+
+
+# --- SFT pieces -------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    lines = ["The founder of Zelko is Marvo.", "Doc 1(Title: \"Zelko\") Zelko is a company."] * 20
+    return load_tokenizer(train_sentencepiece(lines, str(tmp_path_factory.mktemp("sp") / "t"), 400))
+
+
+def test_encode_record_layout_matches_rollout(tokenizer):
+    from rexrag_jax.data.prompts import render_prompt
+    from rexrag_jax.rollout import format_observation
+
+    hits = [{"document": {"id": "1", "contents": "\"Zelko\"\nZelko is a company."}, "score": 1.0}]
+    obs_warm = "\n\n<information>Doc 1(Title: \"Zelko\") Zelko is a company.\n</information>\n\n"
+    rec = {"question": "Who is the founder of Zelko?",
+           "segments": [["response", "<think> a </think><search> Zelko founder </search>"],
+                        ["information", obs_warm], ["response", "<answer> Marvo </answer>"]]}
+    toks, mask = sft.encode_record(tokenizer, rec)
+    prompt = tokenizer.encode(render_prompt(tokenizer, rec["question"]))
+    r1 = tokenizer.encode(rec["segments"][0][1])
+    obs = tokenizer.encode(format_observation(hits))  # the rollout's exact observation text
+    r2 = tokenizer.encode(rec["segments"][2][1])
+    assert toks == prompt + r1 + obs + r2
+    assert mask == [False] * len(prompt) + [True] * len(r1) + [False] * len(obs) + [True] * len(r2)
+
+
+def test_encode_record_errors_name_the_record(tokenizer):
+    with pytest.raises(ValueError, match="rec 7.*segments\\[0\\]"):
+        sft.encode_record(tokenizer, {"question": "q?", "segments": [["thought", "x"]]}, where="rec 7")
+    with pytest.raises(ValueError, match="missing field 'segments'"):
+        sft.encode_record(tokenizer, {"question": "q?"})
+    with pytest.raises(ValueError, match="information"):
+        sft.normalise_observation("no tags")
+
+
+def test_masked_nll_matches_hand_computed_mean():
+    from rexrag_jax.models.qwen2 import model as qwen2
+    from rexrag_jax.models.qwen2.config import Qwen2Config
+
+    cfg = Qwen2Config.from_preset("tiny", vocab_size=64)
+    params = qwen2.init_params(cfg, jax.random.PRNGKey(0))
+    tokens = jnp.array([[1, 5, 9, 3, 0, 0], [2, 4, 6, 8, 10, 12]], jnp.int32)
+    mask = jnp.array([[0, 1, 1, 1, 0, 0], [0, 0, 1, 0, 1, 1]], bool)
+    s, c = sft.masked_nll(params, tokens, mask, cfg)
+    logits, _ = qwen2.forward(params, tokens, cfg)
+    logp = jax.nn.log_softmax(np.asarray(logits, np.float64), -1)
+    want = -sum(float(logp[b, t - 1, int(tokens[b, t])]) for b in range(2) for t in range(6) if mask[b, t])
+    assert float(c) == 6 and float(s) == pytest.approx(want, rel=1e-5)
+
+
+def test_length_grouped_batches_cover_rows_and_group_lengths():
+    lengths = np.array([10, 300, 20, 310, 15, 305, 12, 290])
+    gen = sft.length_grouped_batches(lengths, 2, 64, np.random.default_rng(0))
+    seen = [next(gen) for _ in range(4)]  # one epoch
+    assert sorted(np.concatenate(seen).tolist()) == list(range(8))
+    for b in seen:  # every batch holds rows of one length bucket
+        assert len({int(-(-lengths[i] // 64)) for i in b}) == 1
+
+
+def test_sft_learns_a_fixed_sequence():
+    from rexrag_jax.models.qwen2 import model as qwen2
+    from rexrag_jax.models.qwen2.config import Qwen2Config
+
+    cfg = Qwen2Config.from_preset("tiny", vocab_size=64)
+    params = qwen2.init_params(cfg, jax.random.PRNGKey(1))
+    toks = np.tile(np.arange(3, 19, dtype=np.int32), (4, 1))
+    mask = np.ones_like(toks, bool)
+    mask[:, :4] = False
+    data = sft.SFTData(toks, mask, np.full(4, 16, np.int32))
+    params, hist = sft.train_sft(params, cfg, data, sft.SFTConfig(steps=40, batch_size=4, learning_rate=3e-3,
+                                                                  warmup_steps=2, length_bucket=16), progress=False)
+    assert hist[0]["loss"] > 3.0 and hist[-1]["loss"] < 0.5
