@@ -16,6 +16,7 @@ import argparse
 import logging
 import os
 import pathlib
+import re
 import sys
 import tempfile
 
@@ -64,6 +65,11 @@ def parse_gin(gin_files, gin_bindings) -> None:
     gin.parse_config_files_and_bindings(files, gin_bindings, finalize_config=False)
 
 
+def unset_required_macros() -> list[str]:
+    """Macros still bound to %gin.REQUIRED after parsing (gin does not enforce REQUIRED macros itself)."""
+    return sorted(m.group(1) for m in re.finditer(r"^([A-Z][A-Z0-9_]*) = %gin\.REQUIRED\s*$", gin.config_str(), re.M))
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if not args.gin_file:
@@ -74,6 +80,11 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file it writes at INFO
     parse_gin(args.gin_file, args.gin_bindings)
+    missing = unset_required_macros()
+    if missing:
+        print(f"rexrag train: required gin macro(s) not set: {', '.join(missing)}; set them in a gin file or "
+              f"with --gin_bindings 'NAME = value' (see the header of {args.gin_file[0]})", file=sys.stderr)
+        return 2
     from rexrag_jax.train.trainer import Trainer
 
     write_text_atomic(os.path.join(args.run_dir, "config.gin"), gin.config_str())
