@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from rexrag_jax.generation.engine import GenOut
 from rexrag_jax.generation.stops import find_stop_cut
-from rexrag_jax.rl.prompt_pool import DEFAULT_REVISION_PROMPTS
-from rexrag_jax.rollout.loop import parse_action
 
 SPECIALS = ["<pad>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TAGS = ["<think>", "</think>", "<search>", "</search>", "<information>", "</information>", "</answer>"]
@@ -128,16 +126,8 @@ class FakeRetriever:
                   "score": 1.0 / (k + 1)} for k in range(topk)] for q in queries]
 
 
-def turn_index(context_text: str) -> int:
-    """Completed turns visible in a context: observations + invalid notes + probe prompts."""
-    probes = sum(context_text.count(p) for p in DEFAULT_REVISION_PROMPTS)
-    return context_text.count("<information>") - 1 + context_text.count("My action is invalid.") + probes
-    # (- 1: the SPEC prompt itself mentions <information> once)
-
-
 def question_of(context_text: str) -> str:
     return context_text.split("Question: ", 1)[1].split("\n", 1)[0]
 
 
-__all__ = ["ToyTokenizer", "ScriptedEngine", "FakeRetriever", "fake_logprob", "turn_index", "question_of",
-           "parse_action"]
+__all__ = ["ToyTokenizer", "ScriptedEngine", "FakeRetriever", "fake_logprob", "question_of"]
