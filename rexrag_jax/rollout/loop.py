@@ -176,6 +176,9 @@ class _Traj:
 
 
 class _Rollout:
+    """State of one rollout. rapo.hybrid_rollout subclasses it: keep __init__'s signature, start / turn /
+    finish, and the attributes B, row_traj, trajs, tok, cfg, stats, engine stable."""
+
     def __init__(self, engine, tokenizer, retriever, config: RolloutConfig, pool_tokens, np_rng, num_originals):
         self.max_probes = max_probes(num_originals, config)
         self.engine, self.tok, self.retriever, self.cfg = engine, tokenizer, retriever, config
