@@ -79,6 +79,9 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file it writes at INFO
+    # gin logs "Path not found" before trying its search path (gin/); a truly missing file still raises.
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(lambda r: not r.getMessage().startswith(("Path not found", "system_path_file_exists")))
     parse_gin(args.gin_file, args.gin_bindings)
     missing = unset_required_macros()
     if missing:
