@@ -2,7 +2,8 @@
 
 Run by train_step.py inside a separate venv that has google-tunix installed (never the system Python):
     /tmp/tunix-venv/bin/python benchmarks/_tunix_grpo_step.py '<json args>'
-Prints one JSON line {"times_s": [...], ...}. Uses tunix.models.qwen2.Qwen2 (random init), Tunix's
+Prints a JSON line {"compile_s", "jax", "devices"} after compiling, then, for each line read on stdin,
+a JSON line {"times_s": [...]} timing `steps` more updates (so the caller can interleave both sides). Uses tunix.models.qwen2.Qwen2 (random init), Tunix's
 registered "grpo" policy loss (token-level PPO clip + low_var_kl, loss_agg_mode="token-mean"), and
 rl.trainer.Trainer's jitted train step (nnx.jit, optimizer donated); gradient accumulation over
 micro-batches is Tunix's: optax.MultiSteps, one jitted call per micro-batch.
@@ -24,7 +25,7 @@ from tunix.rl.grpo.grpo_learner import GRPOConfig
 from tunix.sft import peft_trainer
 
 
-def main(a: dict) -> dict:
+def main(a: dict) -> None:
     cfg = tq.ModelConfig(num_layers=a["num_layers"], vocab_size=a["vocab_size"], embed_dim=a["hidden_size"],
                          hidden_dim=a["intermediate_size"], num_heads=a["num_heads"], head_dim=a["head_dim"],
                          num_kv_heads=a["num_kv_heads"], rope_theta=int(a["rope_theta"]), norm_eps=1e-6,
@@ -71,15 +72,18 @@ def main(a: dict) -> dict:
     t0 = time.perf_counter()
     update()
     compile_s = time.perf_counter() - t0
-    times = []
-    for _ in range(a["steps"]):
-        t0 = time.perf_counter()
-        out = update()
-        times.append(time.perf_counter() - t0)
-    return {"times_s": times, "compile_s": compile_s, "loss": float(out[0]), "jax": jax.__version__,
-            "devices": str(jax.devices()[0].platform)}
+    info = {"compile_s": compile_s, "jax": jax.__version__, "devices": str(jax.devices()[0].platform)}
+    print(json.dumps(info), flush=True)
+    # Interleaved timing: train_step.py writes one line per block; we answer with that block's times.
+    for _ in sys.stdin:
+        times = []
+        for _ in range(a["steps"]):
+            t0 = time.perf_counter()
+            out = update()
+            times.append(time.perf_counter() - t0)
+        print(json.dumps({"times_s": times, "loss": float(out[0])}), flush=True)
 
 
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory():
-        print(json.dumps(main(json.loads(sys.argv[1]))))
+        main(json.loads(sys.argv[1]))
