@@ -134,3 +134,24 @@ def test_trajectory_steps_and_add_successful():
     assert buf.values == [body[0], body[4]]
     with pytest.raises(ValueError, match="rewards shape"):
         buf.add_successful(batch, np.array([1.0]), TOK.decode)
+
+
+def test_real_minilm_keys_find_paraphrased_histories(tmp_path):
+    from rexrag_jax.rapo.trace_buffer import minilm_encode_fn
+    enc = minilm_encode_fn(max_length=64, batch_size=8)
+    buf = TraceBuffer(enc, searcher="exact")
+    assert buf.encoder_name == "all-MiniLM-L6-v2"
+    buf.add([history_key("who wrote hamlet", ""),
+             history_key("capital of france", "<think> I need the capital </think>"),
+             history_key("how tall is mount everest", "")],
+            ["<search> hamlet author </search>", "<answer> Paris </answer>", "<search> everest height </search>"])
+    assert buf.emb.shape == (3, 384)
+    np.testing.assert_allclose(np.linalg.norm(buf.emb, axis=1), 1.0, atol=1e-5)
+    hits = buf.query([history_key("Who is the author of the play Hamlet?", ""),
+                      history_key("What is the French capital city?", ""),
+                      history_key("height of Everest in meters", "")], 1)
+    assert [h[0]["index"] for h in hits] == [0, 1, 2]
+    buf.save(str(tmp_path / "b"))
+    with pytest.raises(ValueError, match="saved with encoder 'all-MiniLM-L6-v2', loading with 'custom'"):
+        TraceBuffer.load(str(tmp_path / "b"), bow_encode)
+    assert TraceBuffer.load(str(tmp_path / "b"), enc).query([history_key("author of Hamlet", "")], 1)[0][0]["index"] == 0
