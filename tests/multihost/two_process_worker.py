@@ -33,6 +33,7 @@ from rexrag_jax.train.synthetic import synthetic_batch, synthetic_examples, synt
 from rexrag_jax.train.update import LossConfig, make_update_fn, policy_logprobs  # noqa: E402
 
 STEPS, LR, ROWS, T = 2, 1e-3, 8, 32
+BARRIER_TIMEOUT_MS = 300_000
 cfg = Qwen2Config.from_preset("tiny")
 optimizer = OptimizerConfig(learning_rate=LR, warmup_fraction=0.0).make()
 loss_cfg = LossConfig(eps_low=0.2, eps_high=0.2, kl_coef=0.0)
@@ -62,7 +63,7 @@ def host_arrays(params_host, step):
 
 init_host = jax.tree.map(np.asarray, qwen2.init_params(cfg, jax.random.PRNGKey(0)))
 if MODE == "multi":
-    from jax.experimental import multihost_utils
+    from jax._src import distributed as jax_distributed  # the coordination-service barrier (no Gloo)
     from rexrag_jax.sharding import make_mesh, param_shardings, use_mesh
     from rexrag_jax.sharding.distributed import host_local_batch_to_global
     from jax.sharding import NamedSharding, PartitionSpec
@@ -80,14 +81,28 @@ if MODE == "multi":
         opt_state = jax.jit(optimizer.init, out_shardings=o_sh)(params)
     update = make_update_fn(cfg, optimizer, loss_cfg, (p_sh, o_sh))
     add_micro_axis = jax.jit(lambda t: jax.tree.map(lambda x: x[None], t))
-    gather = lambda tree: jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))  # noqa: E731
+    replicate = jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, PartitionSpec()))
+    client = jax_distributed.global_state.client
+    n_barriers = [0]
+
+    def synced(jitted, *args):
+        """Compile first, then meet at a barrier, then run: Gloo gives a collective's first use only 30 s
+        for every process to arrive, less than one compile takes on a loaded 2-core machine."""
+        compiled = jitted.lower(*args).compile()
+        n_barriers[0] += 1
+        client.wait_at_barrier(f"collective_{n_barriers[0]}", BARRIER_TIMEOUT_MS)
+        return compiled(*args)
+
+    def gather(tree):
+        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), synced(replicate, tree))
+
     share = ROWS // n_proc
     for step in range(STEPS):
         arrays = host_arrays(gather(params), step)
         local = {k: v[pid * share:(pid + 1) * share] for k, v in arrays.items()}  # this host's rows only
         with use_mesh(mesh):
-            mb = add_micro_axis(host_local_batch_to_global(local, mesh))
-            params, opt_state, metrics = update(params, opt_state, mb, jnp.float32(LR), jnp.bool_(False))
+            mb = synced(add_micro_axis, host_local_batch_to_global(local, mesh))
+            params, opt_state, metrics = synced(update, params, opt_state, mb, jnp.float32(LR), jnp.bool_(False))
     final = gather(params)
     info = {"pid": pid, "processes": n_proc, "devices": len(jax.devices()), "local": len(jax.local_devices()),
             "mesh": dict(mesh.shape), "loss_tokens": int(gather(metrics["loss_tokens"]))}
