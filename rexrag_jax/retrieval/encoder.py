@@ -122,7 +122,8 @@ class TextEncoder:
         prefix = self.query_prefix if kind == "query" else self.passage_prefix
         if not texts:
             return np.zeros((0, self.dim), np.float32)
-        return self.encode_ids(self.tokenize([prefix + t for t in texts]), progress, desc=f"encode {kind}s")
+        desc = "encode queries" if kind == "query" else "encode passages"
+        return self.encode_ids(self.tokenize([prefix + t for t in texts]), progress, desc=desc)
 
 
 
