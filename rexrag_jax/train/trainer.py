@@ -53,8 +53,10 @@ class TrainConfig:
     """Run hyperparameters (reference values of SPEC §6 as defaults)."""
     seed: int = 0
     total_steps: int = 1005
-    num_questions: int = 512          # ROLLOUT_BATCH: questions per step
+    num_questions: int = 512          # questions per step
     group_size: int = 5               # rollouts per question
+    rollout_batch: int = 0            # ROLLOUT_BATCH: original trajectories per step (0: derived); must
+                                      # equal num_questions * group_size (the planner sizes the engine by it)
     mini_batch: int = 256             # trajectories per optimizer step
     micro_batch: int = 8              # trajectories per forward/backward (gradient accumulation)
     logprob_batch: int = 0            # rows per π_old / π_ref pass (0: micro_batch)
@@ -84,6 +86,10 @@ class TrainConfig:
                      "length_bucket", "ppo_epochs", "checkpoint_every", "keep_checkpoints"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: expected a positive integer")
+        if self.rollout_batch and self.rollout_batch != self.num_questions * self.group_size:
+            raise ValueError(f"TrainConfig.rollout_batch (ROLLOUT_BATCH) = {self.rollout_batch} but num_questions * "
+                             f"group_size = {self.num_questions} * {self.group_size} = "
+                             f"{self.num_questions * self.group_size}; expected them equal")
         if self.mini_batch % self.micro_batch:
             raise ValueError(f"TrainConfig.mini_batch={self.mini_batch} must be a multiple of "
                              f"micro_batch={self.micro_batch}")

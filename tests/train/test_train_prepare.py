@@ -124,6 +124,7 @@ def test_rexrag_gin_holds_the_reference_hyperparameters(clean_gin):
     _parse(["rexrag.gin", "model/qwen2.5-3b.gin"])
     t, o, r = TrainConfig(), OptimizerConfig(), RolloutConfig()
     assert (t.total_steps, t.num_questions, t.group_size, t.mini_batch, t.ppo_epochs) == (1005, 512, 5, 256, 1)
+    assert gin.query_parameter("%ROLLOUT_BATCH") == t.rollout_batch == 2560
     assert (t.kl_coef, t.eps_low, t.eps_high, t.temperature, t.eval_every, t.checkpoint_every) == \
         (0.001, 0.2, 0.2, 1.0, 150, 50)
     assert t.use_probes and t.initial_keep_ratio == 0.08 and t.keep_ratio_decay == 0.9
@@ -131,8 +132,10 @@ def test_rexrag_gin_holds_the_reference_hyperparameters(clean_gin):
     assert (r.max_turns, r.max_new_tokens, r.topk, r.revision_prob, r.probes) == (5, 500, 3, 0.2, True)
     cfg = model_config()
     assert (cfg.num_layers, cfg.hidden_size, cfg.dtype) == (36, 2048, "bfloat16")
-    for macro in ("MODEL_PRESET", "MAX_SEQ_LEN", "ROLLOUT_BATCH", "MINI_BATCH", "MICRO_BATCH"):
+    for macro in ("MODEL_PRESET", "MAX_SEQ_LEN", "ROLLOUT_BATCH", "MINI_BATCH", "MICRO_BATCH", "LOGPROB_CHUNK",
+                  "KL_COEF"):
         gin.query_parameter(f"%{macro}")
+    assert t.logprob_chunk == gin.query_parameter("%LOGPROB_CHUNK") == 512
 
 
 def test_grpo_gin_turns_probes_off(clean_gin):
@@ -142,6 +145,14 @@ def test_grpo_gin_turns_probes_off(clean_gin):
     _parse(["grpo.gin", "model/qwen2.5-7b.gin"])
     assert not TrainConfig().use_probes and not RolloutConfig().probes
     assert gin.query_parameter("%MODEL_PRESET") == "qwen2.5-7b"
+
+
+def test_rollout_batch_must_match_questions_times_group(clean_gin):
+    from rexrag_jax.train.trainer import TrainConfig
+
+    with pytest.raises(ValueError, match="ROLLOUT_BATCH"):
+        TrainConfig(num_questions=4, group_size=3, rollout_batch=4)
+    assert TrainConfig(num_questions=4, group_size=3, rollout_batch=12).rollout_batch == 12
 
 
 def test_missing_required_macros_are_reported(clean_gin, capsys):
