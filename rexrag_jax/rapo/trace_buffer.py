@@ -4,7 +4,7 @@ Entries are (key, value) = (history before a step, that step's text). A *step* i
 maximal run of policy-generated tokens between two non-policy segments, i.e. a `<think>…<search>…
 </search>` or `<think>…<answer>…</answer>` chunk (an invalid turn counts as a step too; it ends at
 the invalid-action note). Keys are embedded once at insertion (dense, unit-norm: the project's Flax
-MiniLM by default) and searched by inner product (exact, or ScaNN once the buffer is large).
+MiniLM by default) and searched by inner product (exact by default; ScaNN for very large buffers).
 
 History text (what a key holds, `history_key`): the question plus the tail of the trajectory after
 the prompt (model turns and observations), cut to `max_chars` on the left. The SPEC prompt is the same
@@ -73,12 +73,14 @@ def minilm_encode_fn(**kw) -> EncodeFn:
 class TraceBuffer:
     """Bounded FIFO of (history, step) pairs with dense-key nearest-neighbour lookup.
 
-    encode_fn: texts -> float32 [n, d] unit vectors. searcher: "exact", "scann", or "auto" (ScaNN once
-    len >= scann_min_size; exact below, where ScaNN's partitioning has nothing to gain).
+    encode_fn: texts -> float32 [n, d] unit vectors. searcher: "exact" (default), "scann", or "auto"
+    (ScaNN once len >= scann_min_size). The buffer changes every training step and ScaNN must then be
+    rebuilt (seconds at 20k entries, see docs/benchmarks/rapo.md) while an exact scan of 20k x 384 for a
+    step's queries costs well under a second, so ScaNN only pays off for much larger buffers.
     """
 
-    def __init__(self, encode_fn: EncodeFn, capacity: int = 20_000, searcher: str = "auto",
-                 scann_min_size: int = 5_000, encoder_name: str | None = None):
+    def __init__(self, encode_fn: EncodeFn, capacity: int = 20_000, searcher: str = "exact",
+                 scann_min_size: int = 200_000, encoder_name: str | None = None):
         if capacity < 1:
             raise ValueError(f"TraceBuffer.capacity={capacity}: expected >= 1")
         if searcher not in ("exact", "scann", "auto"):

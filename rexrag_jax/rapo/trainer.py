@@ -39,7 +39,7 @@ class HybridSearchRollout(SearchRollout):
 
     def __init__(self, tokenizer_path: str = gin.REQUIRED, retriever=gin.REQUIRED, config=None,
                  decode_chunk: int = 16, hybrid: HybridConfig | None = None, buffer_capacity: int = 20_000,
-                 buffer_searcher: str = "auto", encoder_max_length: int = 256, buffer: TraceBuffer | None = None):
+                 buffer_searcher: str = "exact", encoder_max_length: int = 256, buffer: TraceBuffer | None = None):
         super().__init__(tokenizer_path, retriever, config, decode_chunk)
         self.config = dataclasses.replace(self.config, probes=False)
         self.hybrid = hybrid or HybridConfig()

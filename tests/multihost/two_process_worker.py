@@ -1,15 +1,15 @@
 """Worker for test_two_process_train.py: 2 GRPO update steps of a tiny Qwen2 on a synthetic batch.
 
-Modes (argv[1]):
-  multi  : one of JAX_PROCESS_COUNT processes (jax.distributed over loopback); params and optimizer
+Modes (argv[1]), output argv[2]:
+  multi  : (argv[2] = .npz) one of JAX_PROCESS_COUNT processes (jax.distributed over loopback); params and optimizer
            state sharded over a (data, fsdp) mesh spanning every process's CPU devices; each process
            feeds only its contiguous share of the global batch via host_local_batch_to_global.
-  single : one process, one device, no mesh, the full batch (the reference).
-  half   : like single but only rows [0, N/2) (a control: must differ from the full batch).
+  reference : (argv[2] = a directory) one process, one device, no mesh: single.npz from the full batch
+           (the reference) and half.npz from rows [0, N/2) only (a control: must differ from the full batch).
 Each step: old log-probs under the current params (computed on the host's first device from the
 gathered params, identical on every process), GRPO advantages, behaviour = old log-probs (plain
-GRPO), then one make_update_fn step (AdamW, lr 1e-3). Writes all params after 2 steps to argv[2]
-(.npz) and prints "RESULT {json}".
+GRPO), then one make_update_fn step (AdamW, lr 1e-3). Writes all params after 2 steps and prints
+"RESULT {json}" per run.
 """
 import json
 import sys
@@ -106,22 +106,38 @@ if MODE == "multi":
     final = gather(params)
     info = {"pid": pid, "processes": n_proc, "devices": len(jax.devices()), "local": len(jax.local_devices()),
             "mesh": dict(mesh.shape), "loss_tokens": int(gather(metrics["loss_tokens"]))}
-else:
+
+
+def flat_params(tree):
+    return {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v)
+            for path, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def single_process(rows):
+    """One device, no mesh; rows >= `rows` get an empty loss mask (same shapes: one compile serves both)."""
     params = jax.tree.map(jnp.asarray, init_host)
     opt_state = optimizer.init(params)
     update = make_update_fn(cfg, optimizer, loss_cfg)
     for step in range(STEPS):
         arrays = host_arrays(jax.tree.map(np.asarray, params), step)
-        if MODE == "half":
-            arrays = {k: v[:ROWS // 2] for k, v in arrays.items()}
+        arrays["loss_mask"][rows:] = False
         mb = {k: jnp.asarray(v)[None] for k, v in arrays.items()}
         params, opt_state, metrics = update(params, opt_state, mb, jnp.float32(LR), jnp.bool_(False))
-    final = jax.tree.map(np.asarray, params)
-    info = {"pid": 0, "processes": 1, "loss_tokens": int(metrics["loss_tokens"])}
+    return flat_params(params), {"pid": 0, "processes": 1, "loss_tokens": int(metrics["loss_tokens"])}
 
-flat = {"/".join(str(getattr(k, "key", k)) for k in path): v for path, v in jax.tree_util.tree_leaves_with_path(final)}
-np.savez(OUT, **flat)
-info["checksum"] = float(sum(np.abs(v.astype(np.float64)).sum() for v in flat.values()))
-print("RESULT " + json.dumps(info), flush=True)
+
+def checksum(flat):
+    return float(sum(np.abs(v.astype(np.float64)).sum() for v in flat.values()))
+
+
 if MODE == "multi":
+    flat = flat_params(final)
+    np.savez(OUT, **flat)
+    info["checksum"] = checksum(flat)
+    print("RESULT " + json.dumps(info), flush=True)
     jax.distributed.shutdown()
+else:  # the references: full batch -> OUT/single.npz, first half only -> OUT/half.npz
+    for name, rows in (("single", ROWS), ("half", ROWS // 2)):
+        flat, info = single_process(rows)
+        np.savez(f"{OUT}/{name}.npz", **flat)
+        print("RESULT " + json.dumps(dict(info, mode=name, checksum=checksum(flat))), flush=True)
