@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import gin
 
@@ -106,6 +105,3 @@ def serve_main(argv=None) -> int:
     serve(retriever, s["host"], s["port"], s["limits"])
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(build_index_main())

@@ -112,3 +112,15 @@ def test_data_parallel_and_bf16_encoding(make_encoder, shared_data):
     assert out.dtype == np.float32
     cos = (out * ref).sum(-1)
     assert cos.min() > 0.99 and not np.allclose(out, ref, atol=1e-6)   # bf16 path really taken
+
+
+def test_e5_prefixes_and_truncation(make_encoder):
+    plain = make_encoder()
+    e5 = make_encoder(query_prefix="query: ", passage_prefix="passage: ")
+    np.testing.assert_allclose(e5.encode(["who is evan"], kind="query"), plain.encode(["query: who is evan"]), atol=1e-6)
+    np.testing.assert_allclose(e5.encode(["evan morris"], kind="passage"), plain.encode(["passage: evan morris"]), atol=1e-6)
+    assert not np.allclose(e5.encode(["x y"], kind="query"), e5.encode(["x y"], kind="passage"))
+    long_ids = plain.tokenize(["word " * 500])[0]
+    assert len(long_ids) == plain.max_length and long_ids[-1] == plain.tokenizer.token_to_id("[SEP]")
+    with pytest.raises(ValueError, match="kind must be"):
+        plain.encode(["a"], kind="doc")
