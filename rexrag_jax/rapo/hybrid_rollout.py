@@ -16,7 +16,8 @@ each turn and re-labels the inserted tokens afterwards.
 Answer steps: with `insert_answers=False` (default) a retrieved step containing `<answer>` is skipped
 (the next nearest non-answer step is used, else the row generates): copying a stored answer would
 earn accuracy reward for a token the policy never chose, and an insertion with no policy step after
-it gets no retrieval reward (rl.rapo) anyway. Probes (REX-RAG mixed sampling) are a different
+it gets no retrieval reward (rl.rapo) anyway. In the final, search-disabled turn only an answer step
+could help, so there the row generates unless insert_answers (then only answer steps are inserted). Probes (REX-RAG mixed sampling) are a different
 exploration strategy and are off in hybrid rollouts.
 
 Entropies: the engine reports log-probs of the sampled tokens only, not entropies. The retrieval
@@ -90,21 +91,26 @@ class _HybridRollout(rollout_loop._Rollout):
         return history_key(traj.example.question, self.tok.decode(traj.tokens[traj.prompt_len:]),
                            self.hybrid.history_chars)
 
-    def _pick(self, hits: list[dict]) -> str | None:
+    def _pick(self, hits: list[dict], final: bool) -> str | None:
+        """First usable hit. In the final (search-disabled) turn only an answer step can help the row."""
         for h in hits:
-            if self.hybrid.insert_answers or "<answer>" not in h["value"]:
+            is_answer = "<answer>" in h["value"]
+            if (is_answer and self.hybrid.insert_answers) or (not is_answer and not final):
                 return h["value"]
         return None
 
     def turn(self, turn: int, rng):
         rows = [r for r in range(self.B) if self.row_traj[r] is not None]
         chosen = [r for r in rows if self.insert_rng.random() < self.hybrid.insert_prob]  # one draw per row
+        final = turn == self.cfg.max_turns
+        if final and not self.hybrid.insert_answers:
+            chosen = []  # a non-answer step there would end the row without an answer
         self.stats["insert_draws"] += len(chosen)
         inserts = {}
         if chosen and len(self.buffer):
             hits = self.buffer.query([self._history(self.trajs[self.row_traj[r]]) for r in chosen], self.hybrid.topk)
             for r, h in zip(chosen, hits):
-                step = self._pick(h)
+                step = self._pick(h, final)
                 toks = self.tok.encode(step)[: self.cfg.max_new_tokens] if step else []
                 if toks:
                     inserts[r] = toks

@@ -98,8 +98,10 @@ def test_configured_rate(p):
     ins = stats["insertions"]
     if p == 0.0:
         assert ins == 0 and not (batch.segments == SEG_RETRIEVED).any()
-    elif p == 1.0:
-        assert gen == 0 and ins == batch.size * 6  # never answers: 5 search turns + the final one
+    elif p == 1.0:  # inserted searches in all 5 search turns; the final turn is generated (an answer)
+        assert ins == batch.size * 5 and gen == batch.size
+        assert all(runs(batch, n)[-1][0] == T.SEG_RESPONSE and "<answer>" in runs(batch, n)[-1][1]
+                   for n in range(batch.size))
     else:
         assert abs(ins - p * (ins + gen)) <= 4 * np.sqrt(p * (1 - p) * (ins + gen)), (ins, gen)
 
@@ -124,7 +126,7 @@ def test_answer_steps_skipped_unless_allowed():
 
 def test_queries_use_history_keys():
     seen = []
-    run(buffer_with(STORED, recorder=seen), n_examples=2, group=1, insert_prob=1.0, max_turns=1)
+    run(buffer_with(STORED, recorder=seen), n_examples=2, group=1, insert_prob=1.0, max_turns=2)
     assert seen[:2] == [history_key("q0", ""), history_key("q1", "")]
     second = seen[2]  # row 0 after its inserted first step and the observation
     assert second.startswith("q0\n<think> stored") and second.endswith("</information>\n\n")
@@ -138,3 +140,12 @@ def test_empty_buffer_and_bad_config():
                             1, 0, TraceBuffer(bow_encode), RolloutConfig(probes=True))
     with pytest.raises(ValueError, match="insert_prob=1.5"):
         HybridConfig(insert_prob=1.5)
+
+
+def test_final_turn_inserts_only_answers():
+    answer = "<think> stored </think> <answer> A </answer>"
+    buf = buffer_with(STORED + [answer])  # the search steps' keys are nearer to nothing in particular
+    batch, stats, _, _ = run(buf, insert_prob=1.0, insert_answers=False, max_turns=0)
+    assert stats["insert_draws"] == 0 and not (batch.segments == SEG_RETRIEVED).any()
+    batch, stats, _, _ = run(buf, insert_prob=1.0, insert_answers=True, max_turns=0)
+    assert stats["insertions"] == batch.size and all(t == answer for t in batch.response_text)
