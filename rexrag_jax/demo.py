@@ -52,7 +52,7 @@ class DemoConfig:
     dead_end_fraction: float = 0.6      # warm-start trajectories that answer too early (wrongly)
     sft_examples: int = 0               # warm-start trajectories used (0: the whole train split)
     test_per_hop: int = 100             # held-out questions per hop count
-    vocab_size: int = 1024              # SentencePiece upper bound; the model's vocab is rounded up to 128
+    vocab_size: int = 1024              # SentencePiece upper bound (the model uses the trained vocab size)
     # policy: Qwen2 architecture, smaller than the "small" preset so that CPU training fits minutes
     hidden_size: int = 128
     intermediate_size: int = 384
@@ -61,7 +61,7 @@ class DemoConfig:
     num_kv_heads: int = 2
     head_dim: int = 32
     # supervised warm start
-    sft_steps: int = 200
+    sft_steps: int = 300
     sft_batch_size: int = 8
     sft_lr: float = 1e-3
     sft_time_budget_s: float | None = None
@@ -116,7 +116,8 @@ class CachedRetriever:
 def model_config(cfg: DemoConfig, vocab_size: int):
     from rexrag_jax.models.qwen2.config import Qwen2Config
 
-    return Qwen2Config(vocab_size=-(-vocab_size // 128) * 128, hidden_size=cfg.hidden_size,
+    # vocab = the tokenizer's exactly: padded ids would be sampled (untrained) and could not be decoded
+    return Qwen2Config(vocab_size=vocab_size, hidden_size=cfg.hidden_size,
                        intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers,
                        num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                        rope_theta=10000.0, tie_word_embeddings=True,

@@ -103,7 +103,7 @@ def make_sft_step(cfg: Qwen2Config, optimizer: optax.GradientTransformation) -> 
     def step(params, opt_state, tokens, loss_mask):
         loss, grads = jax.value_and_grad(loss_fn)(params, tokens, loss_mask)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, optax.global_norm(grads)
+        return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
 
     return jax.jit(step, donate_argnums=(0, 1))
 
