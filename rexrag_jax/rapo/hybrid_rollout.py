@@ -17,8 +17,8 @@ Answer steps: with `insert_answers=False` (default) a retrieved step containing 
 (the next nearest non-answer step is used, else the row generates): copying a stored answer would
 earn accuracy reward for a token the policy never chose, and an insertion with no policy step after
 it gets no retrieval reward (rl.rapo) anyway. In the final, search-disabled turn only an answer step
-could help, so there the row generates unless insert_answers (then only answer steps are inserted). Probes (REX-RAG mixed sampling) are a different
-exploration strategy and are off in hybrid rollouts.
+could help, so there the row generates unless insert_answers (then only answer steps are inserted).
+Probes (REX-RAG mixed sampling) are a different exploration strategy and are off in hybrid rollouts.
 
 Entropies: the engine reports log-probs of the sampled tokens only, not entropies. The retrieval
 reward needs the policy entropy of the steps around each insertion, so it is computed after the

@@ -61,8 +61,8 @@ class RapoTrainer(Trainer):
         self.rapo = rapo or RapoConfig()
         c, r = self.cfg, self.rapo
         if (c.eps_low, c.eps_high, c.kl_coef, c.use_probes) != (r.clip_eps, r.clip_eps, r.kl_coef, False):
-            raise ValueError(f"RapoTrainer: TrainConfig eps_low={c.eps_low}, eps_high={c.eps_high}, kl_coef={c.kl_coef}, "
-                             f"use_probes={c.use_probes}; RAPO needs {r.clip_eps}, {r.clip_eps}, {r.kl_coef}, False "
+            raise ValueError(f"RapoTrainer: TrainConfig eps_low={c.eps_low}, eps_high={c.eps_high}, "
+                             f"kl_coef={c.kl_coef}, use_probes={c.use_probes}; RAPO needs {r.clip_eps}, {r.clip_eps}, {r.kl_coef}, False "
                              "(gin/rapo.gin sets them)")
         for attr in ("buffer", "tokenizer"):
             if not hasattr(self.rollout, attr):

@@ -53,7 +53,8 @@ def test_update_arrays_by_hand():
     np.testing.assert_allclose(arrays["behaviour_logp"], old - np.log(1 + 0.05 * f)[:, None], rtol=1e-6, atol=1e-6)
     # the update step's ratio exp(logp - behaviour) is the shaped ratio (1 + 0.05 F) r
     logp = old + 0.1
-    np.testing.assert_allclose(np.exp(logp - arrays["behaviour_logp"]), np.broadcast_to((1 + 0.05 * f)[:, None] * np.exp(0.1), (4, 10)), rtol=1e-5)
+    shaped = np.broadcast_to((1 + 0.05 * f)[:, None] * np.exp(0.1), (4, 10))
+    np.testing.assert_allclose(np.exp(logp - arrays["behaviour_logp"]), shaped, rtol=1e-5)
     np.testing.assert_array_equal(arrays["loss_mask"], np.array(SEGS) == R)
     assert stats["rapo/hybrid_rows"] == 3
     assert abs(stats["rapo/retrieval_reward_mean"] - z.mean()) < 1e-6

@@ -42,7 +42,6 @@ def test_scann_searcher_agrees_with_exact_on_top1():
     e, s = exact.query(queries, 3), scann.query(queries, 3)
     # ties are possible (hashed words), so compare scores; the stored key itself scores 1
     np.testing.assert_allclose([[x["score"] for x in a] for a in e], [[x["score"] for x in b] for b in s], atol=1e-4)
-    assert all(b[0]["score"] > 0.999 and b[0]["key"] == q for q, b in zip(queries, s) if b[0]["index"] == int(q.split()[1]))
     assert np.mean([b[0]["key"] == q for q, b in zip(queries, s)]) >= 0.9
     assert type(scann._get_searcher()).__name__ == "ScannSearcher"
 
@@ -154,4 +153,5 @@ def test_real_minilm_keys_find_paraphrased_histories(tmp_path):
     buf.save(str(tmp_path / "b"))
     with pytest.raises(ValueError, match="saved with encoder 'all-MiniLM-L6-v2', loading with 'custom'"):
         TraceBuffer.load(str(tmp_path / "b"), bow_encode)
-    assert TraceBuffer.load(str(tmp_path / "b"), enc).query([history_key("author of Hamlet", "")], 1)[0][0]["index"] == 0
+    reloaded = TraceBuffer.load(str(tmp_path / "b"), enc)
+    assert reloaded.query([history_key("author of Hamlet", "")], 1)[0][0]["index"] == 0
