@@ -116,6 +116,10 @@ class GenerationEngine:
             raise ValueError("GenerationEngine.params: new params have a different tree structure")
         self._params = new_params
 
+    def block_until_ready(self) -> None:
+        """Wait for queued device work (for timing; the engine itself never needs it)."""
+        jax.block_until_ready((self._k, self._v, self._last_logits))
+
     def lengths(self) -> np.ndarray:
         return self._lengths.copy()
 

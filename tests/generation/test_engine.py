@@ -229,3 +229,19 @@ def test_capacity_and_input_errors(params):
         eng.append([1, 1], [[1], [2]])
     with pytest.raises(ValueError, match="out of range"):
         eng.truncate(B, 0)
+
+
+def test_forward_cached_matches_model_forward(params):
+    """The engine's fori_loop cache path computes exactly what model.forward(cache=...) computes."""
+    from rexrag_jax.generation.kernels import forward_cached
+    from rexrag_jax.models.qwen2.model import init_cache
+    cache = init_cache(CFG, 2, 32)
+    cache["lengths"] = jnp.array([3, 0], jnp.int32)
+    tokens = jnp.array([[5, 6, 7, 8], [9, 10, 11, 12]], jnp.int32)
+    num_new = jnp.array([4, 2], jnp.int32)
+    want_logits, want = forward(params, tokens, CFG, cache=dict(cache), num_new=num_new)
+    got_logits, got = forward_cached(params, tokens, CFG, dict(cache), num_new)
+    np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), atol=1e-5)
+    for key in ("k", "v"):
+        np.testing.assert_allclose(np.asarray(got[key]), np.asarray(want[key]), atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got["lengths"]), [7, 2])
