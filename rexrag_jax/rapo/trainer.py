@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rexrag_jax.rapo.hook import RapoConfig, rapo_update_arrays
+from rexrag_jax.rapo import synthetic  # noqa: F401  registers SyntheticHybridRollout with gin
 from rexrag_jax.rapo.hybrid_rollout import HybridConfig, run_hybrid_rollouts
 from rexrag_jax.rapo.trace_buffer import SEG_RETRIEVED, TraceBuffer, minilm_encode_fn
 from rexrag_jax.train import prepare

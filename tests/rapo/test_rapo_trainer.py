@@ -84,3 +84,31 @@ def test_gin_rapo_binds_hyperparameters():
         assert "@HybridSearchRollout()" in gin.config_str() and "RapoTrainer.rapo = @RapoConfig()" in gin.config_str()
     finally:
         gin.clear_config()
+
+
+def test_rapo_entry_point_runs_tiny_gin(tmp_path):
+    """python -m rexrag_jax.rapo.trainer with rapo.gin + the tiny run's bindings (tiny.gin minus its
+    `include 'rexrag.gin'`, which would reset the RAPO hyperparameters): RapoTrainer runs, Trainer is restored."""
+    import pathlib
+    import gin
+    import rexrag_jax.train.trainer as trainer_mod
+    from rexrag_jax.rapo.trainer import main
+    tiny = pathlib.Path(__file__).resolve().parents[2] / "gin" / "tiny.gin"
+    tiny_bindings = [line for line in tiny.read_text().splitlines()
+                     if line.strip() and not line.lstrip().startswith(("#", "include"))]
+    gin.clear_config()
+    try:
+        rc = main(["--gin_file", "rapo.gin", "--run_dir", str(tmp_path)]
+                  + [a for b in tiny_bindings for a in ("--gin_bindings", b)]
+                  + ["--gin_bindings", "Trainer.rollout = @SyntheticHybridRollout()",
+                   "--gin_bindings", "SyntheticHybridRollout.insert_prob = 0.5",
+                   "--gin_bindings", "TOTAL_STEPS = 2", "--gin_bindings", "TrainConfig.checkpoint_every = 2"])
+    finally:
+        gin.clear_config()
+    assert rc == 0 and trainer_mod.Trainer.__name__ == "Trainer"
+    rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all("rapo/retrieval_reward_mean" in r for r in rows)
+    assert rows[0]["rapo/inserted_tokens"] > 0
+    assert (tmp_path / "trace_buffer" / "2" / "entries.json").exists()
+    operative = (tmp_path / "operative_config.gin").read_text()
+    assert "RAPO_CLIP_EPS = 0.28" in operative and "RapoTrainer.rapo = @RapoConfig()" in operative
