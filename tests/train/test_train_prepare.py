@@ -165,3 +165,17 @@ def test_missing_required_macros_are_reported(clean_gin, capsys):
     err = capsys.readouterr().err
     assert "MODEL_PRESET" in err and "TRAIN_FILES" in err and "--gin_bindings" in err
     assert not pathlib.Path("/tmp/never-created-run").exists()
+
+
+def test_validation_reports_em_per_data_source(tmp_path):
+    from rexrag_jax.models.qwen2.config import Qwen2Config
+    from rexrag_jax.train.synthetic import SyntheticRollout
+    from rexrag_jax.train.trainer import TrainConfig, Trainer
+
+    val = synthetic_examples(8, prefix="v")  # sources alternate nq, hotpotqa; even indices answered right
+    cfg = TrainConfig(total_steps=1, num_questions=2, group_size=2, mini_batch=4, micro_batch=2, kl_coef=0.0)
+    trainer = Trainer(str(tmp_path), model_cfg=Qwen2Config.from_preset("tiny"), rollout=SyntheticRollout(),
+                      config=cfg, train_examples=synthetic_examples(4), val_examples=val, use_tensorboard=False)
+    m = trainer.validate()
+    assert m == {"val/em_hotpotqa": 0.0, "val/em_nq": 1.0, "val/em_mean": 0.5}
+    trainer.ckpt.close()
