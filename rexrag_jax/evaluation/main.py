@@ -1,8 +1,11 @@
 """`rexrag eval`: greedy evaluation of a policy over benchmark files, or re-scoring of trajectory dumps.
 
     rexrag eval --rescore dump.jsonl [more.json ...] [--out scored.jsonl] [--summary-json s.json]
-    rexrag eval --data nq_test_1k.jsonl hotpotqa_dev_500.jsonl --checkpoint CKPT [--retriever-url URL]
+    rexrag eval --data nq_test_1k.jsonl hotpotqa_dev_500.jsonl --checkpoint CKPT
+                (--retriever-url URL | --corpus CORPUS.jsonl [--index-dir DIR])
                 [--limit 100] [--batch-size 64] [--out trajectories.jsonl]
+CKPT: an HF-format Qwen2 dir (config.json + safetensors + tokenizer) or a `rexrag train` run dir (latest
+orbax checkpoint; model and tokenizer from its operative_config.gin). Decoding is greedy, without probes.
 Prints the EM table (nq triviaqa popqa hotpotqa 2wiki musique bamboogle avg).
 """
 from __future__ import annotations
@@ -36,9 +39,17 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("--tokenizer", help="tokenizer path (default: from the checkpoint)")
     model.add_argument("--gin-file", action="append", default=[], help="gin config(s) of the run")
     model.add_argument("--gin-param", action="append", default=[], help="gin binding override(s)")
-    model.add_argument("--retriever-url", help="Search-R1 /retrieve server (default: in-process retriever)")
+    model.add_argument("--retriever-url", "--retriever_url", dest="retriever_url",
+                       help="Search-R1 POST /retrieve server (e.g. http://127.0.0.1:8000/retrieve)")
+    model.add_argument("--corpus", help="corpus jsonl for the in-process MiniLM retriever (instead of --retriever-url)")
+    model.add_argument("--index-dir", "--index_dir", dest="index_dir",
+                       help="index cache for --corpus (default: ~/.cache/rexrag_jax/eval_index/<corpus>)")
     model.add_argument("--topk", type=int, default=3)
-    model.add_argument("--max-turns", type=int, default=5)
+    model.add_argument("--max-turns", "--max_turns", dest="max_turns", type=int, default=5)
+    model.add_argument("--max-new-tokens", "--max_new_tokens", dest="max_new_tokens", type=int, default=500,
+                       help="tokens per turn")
+    model.add_argument("--max-context", "--max_context", dest="max_context", type=int, default=4096,
+                       help="rolling context (left-truncated beyond)")
     return p
 
 
@@ -64,7 +75,9 @@ def main(argv=None) -> int:
             generate_fn = build_generate_fn(
                 checkpoint=args.checkpoint, tokenizer=args.tokenizer, gin_files=args.gin_file,
                 gin_params=args.gin_param, retriever_url=args.retriever_url, topk=args.topk,
-                max_turns=args.max_turns)
+                max_turns=args.max_turns, corpus=args.corpus, index_dir=args.index_dir,
+                batch_size=min(args.batch_size, max(1, len(examples))), max_new_tokens=args.max_new_tokens,
+                max_context=args.max_context, progress=not args.no_progress)
             records, summary = evaluate(examples, generate_fn, batch_size=args.batch_size, out_path=args.out,
                                         progress=not args.no_progress, raw_fallback=args.raw_fallback)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:

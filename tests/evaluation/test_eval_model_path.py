@@ -1,0 +1,150 @@
+"""`rexrag eval --data ... --checkpoint ...`: the model-running path end to end (tiny random Qwen2 exported
+with hf_io + a tiny SentencePiece tokenizer, MiniLM index over a 50-row wiki-18 slice), the vocabulary
+guard against a full forward, and loading a trainer run directory's orbax checkpoint."""
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rexrag_jax.evaluation import main as eval_main
+from rexrag_jax.models.qwen2 import model as qwen2
+from rexrag_jax.models.qwen2.config import Qwen2Config
+from rexrag_jax.rollout.eval_fn import load_policy, restrict_vocab
+
+FILES = ("nq_test_1k.jsonl", "hotpotqa_dev_500.jsonl")
+LIMIT = 3
+
+
+def _cfg(vocab):
+    return Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                       num_kv_heads=1, head_dim=16, rope_theta=10000.0, tie_word_embeddings=True,
+                       max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def world(shared_data, tmp_path_factory):
+    from rexrag_jax.models.qwen2.hf_io import export_checkpoint
+    from rexrag_jax.tokenizers import load_tokenizer, train_sentencepiece
+
+    tmp = tmp_path_factory.mktemp("evalmodel")
+    rows = (shared_data / "corpus" / "wiki18_sample_1000.jsonl").read_text().splitlines()[:50]
+    corpus = tmp / "wiki50.jsonl"
+    corpus.write_text("\n".join(rows) + "\n")
+    lines = [json.loads(r)["contents"] for r in rows]
+    for name in FILES:
+        lines += [json.loads(r)["question"] for r in (shared_data / "benchmarks" / name).read_text().splitlines()[:50]]
+    spm = train_sentencepiece(lines, tmp / "tok" / "spm", vocab_size=400)
+    tok = load_tokenizer(spm)
+    cfg = _cfg(tok.vocab_size)
+    params = qwen2.init_params(cfg, jax.random.PRNGKey(0))
+    model_dir = export_checkpoint(params, cfg, str(tmp / "model"), progress=False)
+    shutil.copy(spm, tmp / "model" / "tokenizer.model")
+    return dict(tmp=tmp, corpus=corpus, model_dir=model_dir, spm=spm, tok=tok, params=params, cfg=cfg)
+
+
+def test_eval_cli_runs_the_model(world, shared_data, capsys):
+    out = world["tmp"] / "traj.jsonl"
+    files = [str(shared_data / "benchmarks" / n) for n in FILES]
+    argv = ["--data", *files, "--limit", str(LIMIT), "--checkpoint", world["model_dir"], "--corpus",
+            str(world["corpus"]), "--index-dir", str(world["tmp"] / "index"), "--max-turns", "1",
+            "--max-new-tokens", "8", "--max-context", "1000", "--batch-size", "8", "--out", str(out),
+            "--no-progress"]
+    assert eval_main.main(argv) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    table = printed.splitlines()
+    assert table[0].split()[:5] == ["source", "nq", "triviaqa", "popqa", "hotpotqa"]
+    n_row = next(line for line in table if line.startswith("n")).split()
+    assert n_row[1] == str(LIMIT) and n_row[4] == str(LIMIT) and n_row[-1] == str(2 * LIMIT)
+    assert n_row[2] == n_row[3] == "-"
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(recs) == 2 * LIMIT
+    assert [r["data_source"] for r in recs] == ["nq"] * LIMIT + ["hotpotqa"] * LIMIT
+    expected_ids = [json.loads(r)["id"] for r in (shared_data / "benchmarks" / FILES[0]).read_text().splitlines()[:LIMIT]]
+    assert [r["id"] for r in recs[:LIMIT]] == expected_ids
+    # a random policy never answers; every response holds generated text (<= 2 turns x 8 tokens + invalid note)
+    assert all(r["response"] and r["em"] == 0.0 for r in recs)
+    assert f"wrote {2 * LIMIT} trajectories" in printed
+
+
+def test_greedy_responses_match_a_plain_forward_decode(world):
+    """First turn of the eval rollout == greedy decoding by repeated full forwards (no cache)."""
+    from rexrag_jax.data.prompts import render_prompt
+    from rexrag_jax.data.schema import QAExample
+    from rexrag_jax.rollout import make_eval_generate_fn
+
+    class NoRetriever:
+        def search(self, queries, topk):
+            return [[] for _ in queries]
+
+    fn = make_eval_generate_fn(world["model_dir"], max_turns=0, max_new_tokens=6, max_context=200, batch_size=2,
+                               retriever=NoRetriever(), progress=False)
+    ex = QAExample("x", "who wrote hamlet", ["shakespeare"], "nq")
+    resp = fn([ex])[0]
+    tok, cfg, params = world["tok"], world["cfg"], world["params"]
+    ids = tok.encode(render_prompt(tok, ex.question))
+    gen = []
+    for _ in range(6):
+        logits, _ = qwen2.forward(params, jnp.asarray([ids + gen]), cfg)
+        gen.append(int(jnp.argmax(logits[0, -1])))
+        if gen[-1] in tok.eos_ids:
+            break
+    expected = tok.decode(gen)
+    # the engine cuts right after a stop string; a random model is unlikely to emit one in 6 tokens
+    assert resp == expected
+
+
+def test_restrict_vocab_is_the_masked_distribution():
+    cfg = dataclasses_replace(_cfg(96), tie_word_embeddings=False)
+    params = qwen2.init_params(cfg, jax.random.PRNGKey(1))
+    small_params, small_cfg = restrict_vocab(params, cfg, 80)
+    assert small_cfg.vocab_size == 80 and small_params["lm_head"].shape == (32, 80)
+    tokens = jnp.asarray([[1, 5, 79, 3]])
+    full, _ = qwen2.forward(params, tokens, cfg)
+    cut, _ = qwen2.forward(small_params, tokens, small_cfg)
+    np.testing.assert_allclose(cut, full[..., :80], rtol=1e-5, atol=1e-5)
+    masked = jnp.where(jnp.arange(96) < 80, full, -jnp.inf)
+    np.testing.assert_allclose(jax.nn.log_softmax(cut), jax.nn.log_softmax(masked)[..., :80], rtol=1e-5, atol=1e-5)
+    assert restrict_vocab(params, cfg, 96)[1] is cfg
+    with pytest.raises(ValueError, match="tokenizer vocab 97 > model vocab 96"):
+        restrict_vocab(params, cfg, 97)
+
+
+def dataclasses_replace(cfg, **kw):
+    import dataclasses
+    return dataclasses.replace(cfg, **kw)
+
+
+def test_load_policy_from_a_trainer_run_dir(world, tmp_path):
+    """A `rexrag train` run dir: model from its gin, tokenizer from TOKENIZER, params from orbax; the tiny
+    preset's 512-row vocab is cut to the tokenizer's."""
+    import gin
+
+    from rexrag_jax.models.qwen2.config import model_config
+    from rexrag_jax.train.checkpoint import Checkpointer
+    from rexrag_jax.train.optim import OptimizerConfig
+
+    gin.clear_config()
+    cfg = Qwen2Config.from_preset("tiny")
+    params = qwen2.init_params(cfg, jax.random.PRNGKey(2))
+    ckpt = Checkpointer(str(tmp_path / "run" / "checkpoints"))
+    ckpt.save(3, {"params": params, "opt_state": OptimizerConfig().make().init(params)}, {"step": 3})
+    ckpt.close()
+    (tmp_path / "run" / "operative_config.gin").write_text(
+        f'TOKENIZER = "{world["spm"]}"\nmodel_config.preset = "tiny"\nSearchRollout.tokenizer_path = %TOKENIZER\n')
+    try:
+        got_cfg, got, tok = load_policy(str(tmp_path / "run"), progress=False)
+    finally:
+        gin.clear_config()
+    assert model_config is not None and tok.vocab_size == world["tok"].vocab_size < 512
+    assert got_cfg.vocab_size == tok.vocab_size and got_cfg.hidden_size == cfg.hidden_size
+    np.testing.assert_array_equal(got["embed"], params["embed"][:tok.vocab_size])
+    np.testing.assert_array_equal(got["layers"]["q_kernel"], params["layers"]["q_kernel"])
+
+
+def test_missing_retriever_is_a_clear_error(world, shared_data, capsys):
+    rc = eval_main.main(["--data", str(shared_data / "benchmarks" / "bamboogle_test.jsonl"), "--limit", "1",
+                         "--checkpoint", world["model_dir"], "--no-progress"])
+    assert rc == 2 and "--retriever-url URL" in capsys.readouterr().err
