@@ -130,6 +130,17 @@ class _Terminate:
 
 @gin.configurable(denylist=["run_dir"])
 class Trainer:
+    """Owns the training state and runs the loop (see the module docstring for one step).
+
+    Args:
+      run_dir: checkpoints/, tensorboard/, metrics.jsonl (and the gin configs written by main.py).
+      model_cfg: Qwen2Config (gin: @model_config()).
+      rollout: a rollout source (rollout_source.SearchRollout, synthetic.SyntheticRollout).
+      config / optimizer: TrainConfig / OptimizerConfig.
+      train_examples / val_examples: lists of QAExample (gin: @train/qa_examples(), @val/qa_examples()).
+      init_checkpoint: HF safetensors directory of the initial policy (None: random init from the seed).
+    """
+
     def __init__(self, run_dir: str, model_cfg: Qwen2Config = gin.REQUIRED, rollout=gin.REQUIRED,
                  config: TrainConfig | None = None, optimizer: OptimizerConfig | None = None,
                  train_examples=gin.REQUIRED, val_examples=None, init_checkpoint: str | None = None,

@@ -108,8 +108,13 @@ def test_sigterm_checkpoints_and_exits_zero(reference_run, tmp_path):
 def test_nonfinite_loss_is_skipped_and_never_checkpointed(tmp_path):
     import orbax.checkpoint as ocp
 
-    _run(tmp_path, "TrainConfig.inject_nonfinite_steps = (1,)", "TrainConfig.checkpoint_every = 1",
-         "TOTAL_STEPS = 3")
+    out = _run(tmp_path, "TrainConfig.inject_nonfinite_steps = (1,)", "TrainConfig.checkpoint_every = 1",
+               "TOTAL_STEPS = 3")
+    assert "SKIPPED" in out and "non-finite" in out  # console line + warning
+    # The resolved config is saved beside the checkpoints and TensorBoard got events.
+    assert "TrainConfig.inject_nonfinite_steps = (1,)" in (tmp_path / "operative_config.gin").read_text()
+    assert "TOTAL_STEPS = 3" in (tmp_path / "config.gin").read_text()
+    assert any(p.stat().st_size > 0 for p in (tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     m = read_metrics(tmp_path)
     assert m[2]["skipped_updates"] == m[2]["updates"] >= 1  # step index 1 = the second step
     assert m[2]["loss"] == "nan"
