@@ -367,8 +367,8 @@ def print_summary(summary: dict) -> None:
 # --- evaluation of an exported policy on any QA files -------------------------------------------------------
 @gin.configurable
 def eval_retriever(corpus_path: str = gin.REQUIRED, index_dir: str | None = None):
-    """In-process MiniLM retriever over `corpus_path` (index cached in index_dir, default beside the corpus
-    in a temp dir)."""
+    """In-process MiniLM retriever over `corpus_path`; its index is cached in `index_dir` (default: a temp
+    directory named after the corpus file, rebuilt when the corpus changes)."""
     from rexrag_jax.retrieval import build_default_retriever
 
     index_dir = index_dir or os.path.join(tempfile.gettempdir(), "rexrag_demo_index",
@@ -378,8 +378,8 @@ def eval_retriever(corpus_path: str = gin.REQUIRED, index_dir: str | None = None
 
 def make_eval_generate_fn(checkpoint: str, tokenizer: str | None = None, gin_files: Sequence[str] = (),
                           gin_params: Sequence[str] = (), retriever_url: str | None = None, topk: int = 3,
-                          max_turns: int = 5, corpus: str | None = None, batch_size: int = 64,
-                          max_new_tokens: int = 500, max_context: int = 4096):
+                          max_turns: int = 5, corpus: str | None = None, index_dir: str | None = None,
+                          batch_size: int = 64, max_new_tokens: int = 500, max_context: int = 4096):
     """generate_fn(list[QAExample]) -> responses: greedy, probe-free rollouts of an HF-format Qwen2 policy.
 
     Same keyword arguments as rexrag_jax.evaluation.build_generate_fn passes (plus corpus, batch_size, and
@@ -403,7 +403,7 @@ def make_eval_generate_fn(checkpoint: str, tokenizer: str | None = None, gin_fil
     if retriever_url:
         retriever = HttpRetriever(retriever_url)
     else:
-        retriever = eval_retriever(corpus) if corpus else eval_retriever()
+        retriever = eval_retriever(corpus, index_dir) if corpus else eval_retriever()
     cfg = RolloutConfig(max_turns=max_turns, max_new_tokens=max_new_tokens, max_context=max_context, topk=topk,
                         greedy=True, probes=False)
     engine = GenerationEngine(params, model_cfg, batch_size=batch_size, max_len=max_context + max_new_tokens,
@@ -427,6 +427,7 @@ def eval_main(argv) -> int:
     p = argparse.ArgumentParser(prog="rexrag demo eval", description=eval_main.__doc__)
     p.add_argument("--model", required=True, help="HF-format policy dir (RUN/final_model or RUN/warmstart_model)")
     p.add_argument("--corpus", help="Search-R1 corpus jsonl for the in-process MiniLM retriever")
+    p.add_argument("--index_dir", help="where the --corpus index is cached (default: a temp dir per corpus name)")
     p.add_argument("--retriever_url", help="Search-R1 POST /retrieve server instead of --corpus")
     p.add_argument("--data", nargs="+", required=True, help="benchmark files or directories")
     p.add_argument("--limit", type=int, help="first N questions of each file")
@@ -442,6 +443,7 @@ def eval_main(argv) -> int:
         rows = read_qa_file(f)
         examples.extend(rows[:args.limit] if args.limit else rows)
     gen = make_eval_generate_fn(args.model, retriever_url=args.retriever_url, corpus=args.corpus,
+                                index_dir=args.index_dir,
                                 batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                                 max_context=args.max_context)
     _, summary = evaluate(examples, gen, batch_size=args.batch_size, out_path=args.out)

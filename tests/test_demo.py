@@ -60,7 +60,7 @@ def test_exported_policy_evaluates_on_other_data(quick_run, tmp_path):
     _, run_dir = quick_run
     world_dir = os.path.join(run_dir, "world")
     gen = demo.make_eval_generate_fn(os.path.join(run_dir, "final_model"), corpus=os.path.join(world_dir, "corpus.jsonl"),
-                                     batch_size=4, max_new_tokens=64, max_context=1024)
+                                     index_dir=str(tmp_path / "index"), batch_size=4, max_new_tokens=64, max_context=1024)
     from rexrag_jax.data.readers import read_qa_file
     examples = read_qa_file(os.path.join(world_dir, "test.jsonl"))[:4]
     responses = gen(examples)
