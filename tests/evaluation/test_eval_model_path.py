@@ -45,13 +45,64 @@ def world(shared_data, tmp_path_factory):
     return dict(tmp=tmp, corpus=corpus, model_dir=model_dir, spm=spm, tok=tok, params=params, cfg=cfg)
 
 
-def test_eval_cli_runs_the_model(world, shared_data, capsys):
-    out = world["tmp"] / "traj.jsonl"
+def _query(tok, corpus):
+    """The first title word (>= 5 letters) whose `<search> w </search>` tokens are all distinct."""
+    for row in corpus.read_text().splitlines():
+        for w in json.loads(row)["contents"].split("\n")[0].strip('"').split():
+            script = tok.encode(f"<search> {w} </search>")
+            if len(w) >= 5 and w.isalpha() and len(set(script)) == len(script):
+                return w, script
+    raise AssertionError("no usable query word")
+
+
+def _scripted_policy(tok, script):
+    """A Qwen2 whose greedy output is `script` after any context: every layer is zero (the residual stream
+    is the one-hot embedding of the last token), so logits = sqrt(D) * lm_head[last token]; lm_head sends
+    each script token to the next and every other token to the script's first."""
+    v = tok.vocab_size
+    heads = -(-v // 16)
+    cfg = dataclasses_replace(_cfg(v), hidden_size=16 * heads, num_heads=heads, num_kv_heads=1, head_dim=16,
+                              intermediate_size=8, tie_word_embeddings=False)
+    params = jax.tree.map(jnp.zeros_like, qwen2.init_params(cfg, jax.random.PRNGKey(0)))
+    params["embed"] = jnp.eye(v, cfg.hidden_size, dtype=jnp.float32)
+    params["final_norm"] = jnp.ones_like(params["final_norm"])
+    nxt = np.full(cfg.hidden_size, script[0])
+    nxt[script[:-1]] = script[1:]
+    params["lm_head"] = jnp.asarray(np.eye(v, dtype=np.float32)[nxt] * 10.0)
+    return params, cfg, script
+
+
+@pytest.fixture(scope="module")
+def scripted_model(world):
+    from rexrag_jax.models.qwen2.hf_io import export_checkpoint
+
+    query, script = _query(world["tok"], world["corpus"])
+    params, cfg, script = _scripted_policy(world["tok"], script)
+    d = export_checkpoint(params, cfg, str(world["tmp"] / "scripted"), progress=False)
+    shutil.copy(world["spm"], world["tmp"] / "scripted" / "tokenizer.model")
+    return d, query, script
+
+
+def _expected_response(tok, retriever, query, script, max_obs_tokens=500):
+    """turn 0 searches `query`, the observation is appended (cut to max_obs_tokens), the final turn (search
+    disabled) repeats the search and ends the row."""
+    from rexrag_jax.rollout import format_observation
+
+    obs = tok.encode(format_observation(retriever.search([query], 3)[0]))[:max_obs_tokens]
+    return tok.decode(script + obs + script)
+
+
+def test_eval_cli_runs_the_model(world, scripted_model, shared_data, capsys):
+    from rexrag_jax.retrieval import build_default_retriever
+    from rexrag_jax.retrieval.server import running_server
+
+    model_dir, query, script = scripted_model
     files = [str(shared_data / "benchmarks" / n) for n in FILES]
-    argv = ["--data", *files, "--limit", str(LIMIT), "--checkpoint", world["model_dir"], "--corpus",
-            str(world["corpus"]), "--index-dir", str(world["tmp"] / "index"), "--max-turns", "1",
-            "--max-new-tokens", "8", "--max-context", "1000", "--batch-size", "8", "--out", str(out),
-            "--no-progress"]
+    common = ["--data", *files, "--limit", str(LIMIT), "--checkpoint", model_dir, "--max-turns", "1",
+              "--max-new-tokens", "16", "--max-context", "1000", "--batch-size", "8", "--no-progress"]
+    out = world["tmp"] / "traj.jsonl"
+    index_dir = world["tmp"] / "index"
+    argv = common + ["--corpus", str(world["corpus"]), "--index-dir", str(index_dir), "--out", str(out)]
     assert eval_main.main(argv) == 0, capsys.readouterr().err
     printed = capsys.readouterr().out
     table = printed.splitlines()
@@ -59,14 +110,24 @@ def test_eval_cli_runs_the_model(world, shared_data, capsys):
     n_row = next(line for line in table if line.startswith("n")).split()
     assert n_row[1] == str(LIMIT) and n_row[4] == str(LIMIT) and n_row[-1] == str(2 * LIMIT)
     assert n_row[2] == n_row[3] == "-"
+    assert f"wrote {2 * LIMIT} trajectories" in printed
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(recs) == 2 * LIMIT
     assert [r["data_source"] for r in recs] == ["nq"] * LIMIT + ["hotpotqa"] * LIMIT
     expected_ids = [json.loads(r)["id"] for r in (shared_data / "benchmarks" / FILES[0]).read_text().splitlines()[:LIMIT]]
     assert [r["id"] for r in recs[:LIMIT]] == expected_ids
-    # a random policy never answers; every response holds generated text (<= 2 turns x 8 tokens + invalid note)
-    assert all(r["response"] and r["em"] == 0.0 for r in recs)
-    assert f"wrote {2 * LIMIT} trajectories" in printed
+    # the in-process retriever over the 50-row slice was queried with the policy's search
+    local = build_default_retriever(str(world["corpus"]), str(index_dir))
+    expected = _expected_response(world["tok"], local, query, script)
+    assert "<information>Doc 1(Title:" in expected
+    assert all(r["response"] == expected and r["prediction"] is None and r["em"] == 0.0 for r in recs)
+
+    # the same run through a Search-R1 HTTP server gives the same trajectories
+    out_http = world["tmp"] / "traj_http.jsonl"
+    with running_server(local) as url:
+        assert eval_main.main(common + ["--retriever-url", url + "/retrieve", "--out", str(out_http)]) == 0
+    capsys.readouterr()
+    assert [json.loads(line) for line in out_http.read_text().splitlines()] == recs
 
 
 def test_greedy_responses_match_a_plain_forward_decode(world):
