@@ -7,13 +7,18 @@ the faster one. Both sides time prefill + 128 greedy tokens. Target >= 3x,
 then prefill tokens and wall time of copy_prefix vs re-prefilling a 1k-token prefix (target >= 5x).
 
   python benchmarks/generation.py [--preset small] [--batch 16] [--new 128] [--prompt 32] [--repeats 3]
+                                  [--single-thread]   # XLA and torch both on one thread
 """
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
+if "--single-thread" in sys.argv:  # must precede jax's import: XLA reads its flags once
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
+                               " intra_op_parallelism_threads=1").strip()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -62,6 +67,8 @@ def main(argv=None):
     ap.add_argument("--decode-chunk", type=int, default=16)
     ap.add_argument("--prefix", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--single-thread", action="store_true",
+                    help="XLA CPU single-threaded and transformers timed with 1 torch thread only")
     args = ap.parse_args(argv)
 
     import torch
@@ -70,7 +77,7 @@ def main(argv=None):
     params = init_params(cfg, jax.random.PRNGKey(0))
     rng = np.random.RandomState(0)
     prompts = rng.randint(1, cfg.vocab_size, (args.batch, args.prompt))
-    print(f"device: {jax.devices()[0].platform}, cpus {os.cpu_count()}, torch threads {torch.get_num_threads()}; "
+    print(f"device: {jax.devices()[0].platform}, cpus {os.cpu_count()}, XLA single-thread {args.single_thread}; "
           f"preset {args.preset} (L={cfg.num_layers}, D={cfg.hidden_size}, V={cfg.vocab_size}); batch "
           f"{args.batch}, prompt {args.prompt}, new {args.new}")
 
@@ -99,7 +106,7 @@ def main(argv=None):
                                   min_new_tokens=args.new, do_sample=False, eos_token_id=None, pad_token_id=0)
 
     hf_times = {}
-    for threads in sorted({os.cpu_count(), 1}, reverse=True):
+    for threads in ([1] if args.single_thread else sorted({os.cpu_count(), 1}, reverse=True)):
         torch.set_num_threads(threads)
         hf_out = hf()  # warm-up
         hf_times[threads] = best_of(hf, args.repeats)

@@ -274,7 +274,7 @@ class GenerationEngine:
                 self._params, self._k, self._v, _dev(self._lengths), self._last_logits,
                 _dev(active), _dev(remaining), jnp.asarray(recent),
                 jax.random.fold_in(rng, chunk_i), jnp.float32(temperature), jnp.float32(top_p),
-                jnp.bool_(greedy), cfg=self.cfg, steps=self.decode_chunk, window=window,
+                greedy=greedy, cfg=self.cfg, steps=self.decode_chunk, window=window,
                 stop_seqs=self.stop_token_seqs, eos_ids=self.eos_ids, use_top_p=use_top_p,
                 pad_id=self.pad_id, mesh=self.mesh)
             self._k, self._v, self._last_logits = out[:3]

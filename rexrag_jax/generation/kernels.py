@@ -90,9 +90,9 @@ def prefill(params, k, v, lengths, last_logits, idx, tokens, num_new, *, cfg, wi
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "steps", "window", "stop_seqs", "eos_ids", "use_top_p",
-                                             "pad_id", "mesh"), donate_argnums=(1, 2, 4))
+                                             "greedy", "pad_id", "mesh"), donate_argnums=(1, 2, 4))
 def decode_chunk(params, k, v, lengths, last_logits, active, remaining, recent, rng, temperature, top_p,
-                 greedy, *, cfg, steps, window, stop_seqs, eos_ids, use_top_p, pad_id, mesh=None):
+                 *, greedy, cfg, steps, window, stop_seqs, eos_ids, use_top_p, pad_id, mesh=None):
     """Up to `steps` decode steps in one lax.while_loop (exits early once no row is active).
 
     Each step, for every active row: sample tok from last_logits, feed tok through the model (cache

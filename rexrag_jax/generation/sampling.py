@@ -37,10 +37,15 @@ def sample_tokens(logits: jax.Array, rng: jax.Array, temperature: jax.Array, top
     """Choose one token per row of logits [B, V] (float32).
 
     greedy (or temperature <= 0): tok = argmax z. Otherwise tok ~ softmax(top_p_filter(z / T)).
-    `use_top_p` is static: False skips the vocabulary sort entirely (top_p == 1).
+    `use_top_p` is static: False skips the vocabulary sort entirely (top_p == 1). A Python `greedy=True`
+    is static too and skips drawing random numbers.
     Returns (tok int32 [B], logprob [B], sampling_logprob [B]) as described in the module docstring.
     """
     logits = logits.astype(jnp.float32)
+    if greedy is True:
+        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        logprob = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tok[:, None], axis=-1)[:, 0]
+        return tok, logprob, jnp.zeros_like(logprob)
     greedy = jnp.asarray(greedy) | (jnp.asarray(temperature) <= 0)
     safe_t = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
     scaled = logits / safe_t
