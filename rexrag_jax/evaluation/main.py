@@ -35,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--no-progress", action="store_true")
     model = p.add_argument_group("model (--data)")
-    model.add_argument("--checkpoint", help="policy checkpoint directory")
+    model.add_argument("--checkpoint", help="policy: HF-format Qwen2 dir (config.json + safetensors) or a "
+                                            "`rexrag train` run dir (latest orbax step)")
     model.add_argument("--tokenizer", help="tokenizer path (default: from the checkpoint)")
     model.add_argument("--gin-file", action="append", default=[], help="gin config(s) of the run")
     model.add_argument("--gin-param", action="append", default=[], help="gin binding override(s)")
@@ -71,6 +72,7 @@ def main(argv=None) -> int:
             if args.out:
                 write_jsonl_atomic(args.out, records)
         else:
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")  # MiniLM ships with the package: never download
             examples = _load_examples(args)
             generate_fn = build_generate_fn(
                 checkpoint=args.checkpoint, tokenizer=args.tokenizer, gin_files=args.gin_file,
