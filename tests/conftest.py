@@ -23,3 +23,13 @@ def shared_data() -> pathlib.Path:
     if not SHARED_DATA.exists():
         pytest.fail(f"shared data not found at {SHARED_DATA} (expected ../shared/data beside the checkout)")
     return SHARED_DATA
+
+
+@pytest.fixture(autouse=True)
+def _isolated_gin_config():
+    """gin bindings are process-global: no test may see another test's bindings."""
+    import gin
+
+    gin.clear_config()
+    yield
+    gin.clear_config()

@@ -60,10 +60,12 @@ class GenerationEngine:
                  eos_ids: Sequence[int] = (), stop_strings: Sequence[str] = ("</search>", "</answer>"),
                  detokenize: Callable[[list[int]], str] | None = None, decode_chunk: int = 16, mesh=None,
                  stop_token_seqs: Sequence[Sequence[int]] = (), prefill_chunk: int = 512,
-                 min_window: int = 128):
+                 min_window: int = 128, vocab_limit: int | None = None):
         """stop_token_seqs: optional token spellings of the stop strings for in-jit early stop (see
         stops.stop_token_sequences); the host check on detokenized text runs regardless when
-        `detokenize` is given. prefill_chunk: largest append chunk (power of two)."""
+        `detokenize` is given. prefill_chunk: largest append chunk (power of two). vocab_limit: the
+        tokenizer's vocabulary size; ids at or above it (padding rows of the embedding, e.g. Qwen2.5's
+        151,936 rows vs 151,665 tokens) are never sampled and log-probs are renormalised over the rest."""
         if batch_size <= 0 or max_len <= 0:
             raise ValueError(f"GenerationEngine: batch_size and max_len must be positive, got "
                              f"{batch_size}, {max_len}")
@@ -71,6 +73,9 @@ class GenerationEngine:
             raise ValueError(f"GenerationEngine: decode_chunk must be > 0 and prefill_chunk a power of two, "
                              f"got {decode_chunk}, {prefill_chunk}")
         self.cfg = cfg
+        if vocab_limit is not None and not 0 < int(vocab_limit) <= cfg.vocab_size:
+            raise ValueError(f"GenerationEngine: vocab_limit must be in (0, {cfg.vocab_size}], got {vocab_limit}")
+        self.vocab_limit = None if vocab_limit is None or int(vocab_limit) == cfg.vocab_size else int(vocab_limit)
         self.batch_size, self.max_len = int(batch_size), int(max_len)
         self.pad_id = int(pad_id)
         self.eos_ids = tuple(int(e) for e in eos_ids)
@@ -224,7 +229,7 @@ class GenerationEngine:
             self._k, self._v, self._last_logits = kernels.prefill(
                 self._params, self._k, self._v, _dev(self._lengths), self._last_logits,
                 jnp.asarray(np.array(idx, np.int32)), jnp.asarray(tokens), jnp.asarray(num_new),
-                cfg=self.cfg, window=window, mesh=self.mesh)
+                cfg=self.cfg, window=window, mesh=self.mesh, vocab_limit=self.vocab_limit)
             for i, r in enumerate(rows):
                 self._lengths[r] += num_new[i]
                 self._has_logits[r] = True
@@ -276,7 +281,7 @@ class GenerationEngine:
                 jax.random.fold_in(rng, chunk_i), jnp.float32(temperature), jnp.float32(top_p),
                 greedy=greedy, cfg=self.cfg, steps=self.decode_chunk, window=window,
                 stop_seqs=self.stop_token_seqs, eos_ids=self.eos_ids, use_top_p=use_top_p,
-                pad_id=self.pad_id, mesh=self.mesh)
+                pad_id=self.pad_id, mesh=self.mesh, vocab_limit=self.vocab_limit)
             self._k, self._v, self._last_logits = out[:3]
             o_tok, o_lp, o_slp, status, count = (np.asarray(x) for x in out[3:])
             chunk_i += 1

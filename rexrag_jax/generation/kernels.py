@@ -61,6 +61,13 @@ def forward_cached(params, tokens, cfg, cache, num_new, return_hidden=False):
     return (x if return_hidden else logits_from_hidden(params, x, cfg)), new_cache
 
 
+def mask_vocab(logits, vocab_limit):
+    """Ids >= vocab_limit (embedding rows the tokenizer has no token for) get -inf logits."""
+    if vocab_limit is None or vocab_limit >= logits.shape[-1]:
+        return logits
+    return jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, jnp.finfo(logits.dtype).min)
+
+
 def _window(x, window):
     return x if window >= x.shape[2] else x[:, :, :window]
 
@@ -69,8 +76,9 @@ def _unwindow(full, part):
     return part if part.shape[2] == full.shape[2] else jax.lax.dynamic_update_slice(full, part, (0,) * full.ndim)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "window", "mesh"), donate_argnums=(1, 2, 4))
-def prefill(params, k, v, lengths, last_logits, idx, tokens, num_new, *, cfg, window, mesh=None):
+@functools.partial(jax.jit, static_argnames=("cfg", "window", "mesh", "vocab_limit"), donate_argnums=(1, 2, 4))
+def prefill(params, k, v, lengths, last_logits, idx, tokens, num_new, *, cfg, window, mesh=None,
+            vocab_limit=None):
     """Append tokens [nb, T] to rows idx [nb] (row idx[i] takes its first num_new[i] tokens).
 
     Rows with num_new = 0 are untouched below their length (padded writes land beyond it). The
@@ -82,7 +90,7 @@ def prefill(params, k, v, lengths, last_logits, idx, tokens, num_new, *, cfg, wi
         hidden, sub = forward_cached(params, tokens, cfg, sub, num_new, return_hidden=True)
         last = jnp.maximum(num_new - 1, 0)
         h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)  # [nb, 1, D]
-        logits = logits_from_hidden(params, h_last, cfg)[:, 0]
+        logits = mask_vocab(logits_from_hidden(params, h_last, cfg)[:, 0], vocab_limit)
         new_rows = jnp.where((num_new > 0)[:, None], logits, last_logits[idx])
         kw = _window(k, window).at[:, idx].set(sub["k"])
         vw = _window(v, window).at[:, idx].set(sub["v"])
@@ -90,9 +98,9 @@ def prefill(params, k, v, lengths, last_logits, idx, tokens, num_new, *, cfg, wi
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "steps", "window", "stop_seqs", "eos_ids", "use_top_p",
-                                             "greedy", "pad_id", "mesh"), donate_argnums=(1, 2, 4))
+                                             "greedy", "pad_id", "mesh", "vocab_limit"), donate_argnums=(1, 2, 4))
 def decode_chunk(params, k, v, lengths, last_logits, active, remaining, recent, rng, temperature, top_p,
-                 *, greedy, cfg, steps, window, stop_seqs, eos_ids, use_top_p, pad_id, mesh=None):
+                 *, greedy, cfg, steps, window, stop_seqs, eos_ids, use_top_p, pad_id, mesh=None, vocab_limit=None):
     """Up to `steps` decode steps in one lax.while_loop (exits early once no row is active).
 
     Each step, for every active row: sample tok from last_logits, feed tok through the model (cache
@@ -126,7 +134,7 @@ def decode_chunk(params, k, v, lengths, last_logits, active, remaining, recent, 
             step = act.astype(jnp.int32)
             new_logits, cache = forward_cached(params, tok[:, None], cfg, {"k": kw, "v": vw, "lengths": lens},
                                                step)
-            logits = jnp.where(act[:, None], new_logits[:, 0], logits)
+            logits = jnp.where(act[:, None], mask_vocab(new_logits[:, 0], vocab_limit), logits)
             rec = jnp.where(act[:, None], jnp.concatenate([rec[:, 1:], tok[:, None]], axis=1), rec)
             is_stop = jnp.zeros((B,), bool)
             for seq in stop_seqs:

@@ -53,7 +53,7 @@ class SearchRollout:
             params, model_cfg, batch_size=required_batch_size(num_trajectories, self.config),
             max_len=self.config.max_context + self.config.max_new_tokens, pad_id=self.tokenizer.pad_id,
             eos_ids=getattr(self.tokenizer, "eos_ids", (self.tokenizer.eos_id,)), detokenize=self.tokenizer.decode,
-            decode_chunk=self.decode_chunk, mesh=mesh)
+            decode_chunk=self.decode_chunk, mesh=mesh, vocab_limit=self.tokenizer.vocab_size)
 
     def pool_distribution(self, vocab_size: int) -> PromptPoolDistribution:
         # Tokenized exactly as run_rollouts inserts them (tokenizer.encode of each prompt on its own).

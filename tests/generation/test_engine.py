@@ -245,3 +245,25 @@ def test_forward_cached_matches_model_forward(params):
     for key in ("k", "v"):
         np.testing.assert_allclose(np.asarray(got[key]), np.asarray(want[key]), atol=1e-6)
     np.testing.assert_array_equal(np.asarray(got["lengths"]), [7, 2])
+
+
+def test_vocab_limit_never_samples_padding_rows_and_renormalises(params):
+    """Ids >= vocab_limit (embedding rows the tokenizer lacks) are never sampled; log-probs are those of
+    the softmax restricted to the first vocab_limit ids."""
+    limit = 100
+    eng = GenerationEngine(params, CFG, batch_size=B, max_len=S, vocab_limit=limit, decode_chunk=8)
+    prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
+    eng.append(range(B), prompts)
+    outs = eng.generate(range(B), 24, jax.random.PRNGKey(3), temperature=1.0)
+    toks = [t for o in outs for t in o.tokens]
+    assert toks and max(toks) < limit
+    # Unrestricted, the same random model does put mass above the limit (the test can fail).
+    logits = full_logits(params, prompts[0])[-1]
+    assert jax.nn.softmax(logits)[limit:].sum() > 0.1
+    seq = prompts[0] + outs[0].tokens
+    ref = full_logits(params, seq)
+    for t, tok in enumerate(outs[0].tokens):
+        masked = np.asarray(jax.nn.log_softmax(ref[len(prompts[0]) - 1 + t][:limit]))
+        np.testing.assert_allclose(outs[0].logprobs[t], masked[tok], atol=1e-5)
+    with pytest.raises(ValueError, match="vocab_limit"):
+        GenerationEngine(params, CFG, batch_size=B, max_len=S, vocab_limit=CFG.vocab_size + 1)
