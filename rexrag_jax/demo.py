@@ -49,7 +49,7 @@ class DemoConfig:
     num_city: int = 40
     num_country: int = 10
     num_company: int = 30
-    dead_end_fraction: float = 0.6      # warm-start trajectories that answer too early (wrongly)
+    dead_end_fraction: float = 0.3      # warm-start trajectories that answer too early (wrongly)
     sft_examples: int = 0               # warm-start trajectories used (0: the whole train split)
     test_per_hop: int = 100             # held-out questions per hop count
     vocab_size: int = 1024              # SentencePiece upper bound (the model uses the trained vocab size)
@@ -61,10 +61,10 @@ class DemoConfig:
     num_kv_heads: int = 2
     head_dim: int = 32
     # supervised warm start
-    sft_steps: int = 300
+    sft_steps: int = 800
     sft_batch_size: int = 8
     sft_lr: float = 1e-3
-    sft_time_budget_s: float | None = None
+    sft_time_budget_s: float | None = 540.0
     # REX-RAG
     rl_steps: int = 15
     num_questions: int = 8
@@ -75,7 +75,7 @@ class DemoConfig:
     use_probes: bool = True
     revision_prob: float = 0.5          # higher than the paper's 0.2: few wrong answers per small step
     initial_keep_ratio: float = 0.25
-    rl_time_budget_s: float | None = None
+    rl_time_budget_s: float | None = 240.0
     curve_every: int = 0                # >0: greedy EM on `curve_examples` test questions every k RL steps
     curve_examples: int = 60
     # rollout (shorter than the paper's 500 tokens/turn, 4096 context: the demo's turns are ~30 tokens)
@@ -88,7 +88,7 @@ class DemoConfig:
 
 QUICK_OVERRIDES = dict(num_person=40, num_city=14, num_country=4, num_company=10, sft_examples=400,
                        test_per_hop=10, sft_steps=25, rl_steps=2, num_questions=4, group_size=4,
-                       micro_batch=8, curve_every=0, vocab_size=700)
+                       micro_batch=8, curve_every=0, vocab_size=700, sft_time_budget_s=None, rl_time_budget_s=None)
 
 
 def _log(msg: str) -> None:
