@@ -37,13 +37,13 @@ class Tokenizer(abc.ABC):
         """Number of ids the tokenizer can emit (added tokens included); the model's embedding may be larger."""
 
     @property
-    @abc.abstractmethod
-    def eos_id(self) -> int: ...
+    def eos_id(self) -> int:
+        return self.eos_ids[0]
 
     @property
+    @abc.abstractmethod
     def eos_ids(self) -> list[int]:
         """All ids that end generation (e.g. Qwen instruct: <|im_end|> and <|endoftext|>); eos_id first."""
-        return [self.eos_id]
 
     @property
     @abc.abstractmethod

@@ -162,10 +162,6 @@ class HFTokenizer(Tokenizer):
         return self._size
 
     @property
-    def eos_id(self) -> int:
-        return self._eos_ids[0]
-
-    @property
     def eos_ids(self) -> list[int]:
         return list(self._eos_ids)
 

@@ -80,10 +80,6 @@ class SentencePieceTokenizer(Tokenizer):
         return self._sp.GetPieceSize()
 
     @property
-    def eos_id(self) -> int:
-        return self._eos_ids[0]
-
-    @property
     def eos_ids(self) -> list[int]:
         return list(self._eos_ids)
 
