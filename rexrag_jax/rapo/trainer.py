@@ -23,7 +23,6 @@ import time
 import gin
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from rexrag_jax.rapo.hook import RapoConfig, rapo_update_arrays
 from rexrag_jax.rapo import synthetic  # noqa: F401  registers SyntheticHybridRollout with gin
@@ -84,17 +83,7 @@ class RapoTrainer(Trainer):
         arrays, rapo_stats = rapo_update_arrays(batch, rewards, old_logp, entropy, self.rapo)
         t_logprob = time.perf_counter() - t0 - t_rollout
 
-        lr = jnp.float32(self.opt_cfg.lr_at(s))
-        poison = jnp.bool_(s in tuple(cfg.inject_nonfinite_steps))
-        outs = []
-        rng = np.random.default_rng([cfg.seed, s, 1]) if cfg.shuffle_mini_batches else None
-        with self._mesh_ctx():
-            for _ in range(cfg.ppo_epochs):
-                for mb in prepare.mini_batches(arrays, cfg.mini_batch, cfg.micro_batch, rng):
-                    mb = {k: self._put(v, leading=1) for k, v in mb.items()}
-                    self.params, self.opt_state, m = self._update(self.params, self.opt_state, mb, lr, poison)
-                    outs.append(m)
-            outs = jax.device_get(outs)
+        outs = self._run_updates(arrays, s)
         t_update = time.perf_counter() - t0 - t_rollout - t_logprob
 
         added = self.rollout.buffer.add_successful(batch, rewards, self.rollout.tokenizer.decode,
@@ -104,7 +93,7 @@ class RapoTrainer(Trainer):
         metrics.update(rapo_stats)
         mask = arrays["loss_mask"]
         metrics.update({"reward/mean": float(rewards.mean()), "em/train": float(correct.mean()),
-                        "entropy": float((entropy * mask).sum() / max(mask.sum(), 1)), "lr": float(lr),
+                        "entropy": float((entropy * mask).sum() / max(mask.sum(), 1)), "lr": float(jnp.float32(self.opt_cfg.lr_at(s))),
                         "rapo/buffer_size": len(self.rollout.buffer), "rapo/buffer_added": added,
                         "rapo/inserted_tokens": int((batch.segments == SEG_RETRIEVED).sum()),
                         "truncated_rows": truncated, "batch/trajectories": batch.size, "time/rollout": t_rollout,

@@ -249,6 +249,21 @@ class Trainer:
         axes = (None,) * leading + ("batch",) + (None,) * (np.ndim(x) - leading - 1)
         return jax.device_put(x, NamedSharding(self.mesh, spec_for_shape(axes, np.shape(x), self.mesh)))
 
+    def _run_updates(self, arrays: dict, s: int) -> list:
+        """ppo_epochs passes of mini-batch updates over `arrays` at step s; returns host metrics per update."""
+        cfg = self.cfg
+        lr = jnp.float32(self.opt_cfg.lr_at(s))
+        poison = jnp.bool_(s in tuple(cfg.inject_nonfinite_steps))
+        outs = []
+        rng = np.random.default_rng([cfg.seed, s, 1]) if cfg.shuffle_mini_batches else None
+        with self._mesh_ctx():
+            for _ in range(cfg.ppo_epochs):
+                for mb in prepare.mini_batches(arrays, cfg.mini_batch, cfg.micro_batch, rng):
+                    mb = {k: self._put(v, leading=1) for k, v in mb.items()}
+                    self.params, self.opt_state, m = self._update(self.params, self.opt_state, mb, lr, poison)
+                    outs.append(m)
+            return jax.device_get(outs)
+
     def train_step(self) -> dict:
         cfg, s = self.cfg, self.step
         t0 = time.perf_counter()
@@ -283,17 +298,7 @@ class Trainer:
                   "is_probe": kb.is_probe}
         if ref_logp is not None:
             arrays["ref_logp"] = ref_logp.astype(np.float32)
-        lr = jnp.float32(self.opt_cfg.lr_at(s))
-        poison = jnp.bool_(s in tuple(cfg.inject_nonfinite_steps))
-        update_metrics = []
-        rng = np.random.default_rng([cfg.seed, s, 1]) if cfg.shuffle_mini_batches else None
-        with self._mesh_ctx():
-            for _ in range(cfg.ppo_epochs):
-                for mb in prepare.mini_batches(arrays, cfg.mini_batch, cfg.micro_batch, rng):
-                    mb = {k: self._put(v, leading=1) for k, v in mb.items()}
-                    self.params, self.opt_state, m = self._update(self.params, self.opt_state, mb, lr, poison)
-                    update_metrics.append(m)
-            update_metrics = jax.device_get(update_metrics)
+        update_metrics = self._run_updates(arrays, s)
         t_update = time.perf_counter() - t0 - t_rollout - t_logprob
 
         self.keep_ratio = prepare.next_keep_ratio(self.keep_ratio, rewards[kept_probes], cfg.keep_ratio_decay)
@@ -301,7 +306,7 @@ class Trainer:
         t_step = time.perf_counter() - t0
         metrics = _update_summary(update_metrics)
         metrics.update(self._batch_metrics(batch, kb, rewards, correct, rew_k, ent_k, kept_probes, alpha, err))
-        metrics.update({"lr": float(lr), "keep_ratio": self.keep_ratio, "truncated_rows": truncated,
+        metrics.update({"lr": float(jnp.float32(self.opt_cfg.lr_at(s))), "keep_ratio": self.keep_ratio, "truncated_rows": truncated,
                         "probes/created": int(batch.is_probe.sum()), "time/rollout": t_rollout,
                         "time/logprob": t_logprob, "time/update": t_update, "time/step": t_step,
                         "tokens_per_s": float(kb.attention_mask.sum()) / max(t_step, 1e-9),
