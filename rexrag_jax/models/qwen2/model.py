@@ -41,6 +41,8 @@ PARAM_LOGICAL_AXES: Params = {
 }
 
 CACHE_LOGICAL_AXES = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
+# Cached calls with at most this many new tokens per row use the elementwise decode attention.
+DECODE_ATTENTION_MAX_T = 1
 
 
 def param_shapes(cfg: Qwen2Config) -> Params:
@@ -127,16 +129,33 @@ def _attention(q, k, v, mask, cfg: Qwen2Config):
     return out.reshape(B, T, H, Hd)
 
 
-def _write_cache(cache_layer, new, starts):
-    """Scatter new [B,T,KV,Hd] into cache_layer [B,S,KV,Hd] at slots starts[b]+t (out of range dropped)."""
-    B, T = new.shape[:2]
-    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    cols = starts[:, None] + jnp.arange(T)[None, :]
-    return cache_layer.at[rows, cols].set(new.astype(cache_layer.dtype), mode="drop")
+def _attention_decode(q, k, v, mask, cfg: Qwen2Config):
+    """_attention for a few query tokens (decode), reading the cache in its stored [B,S,KV,Hd] layout.
+
+    K and V are viewed (free reshape) as [B, S*KV, Hd], so both products are plain batched matmuls:
+      full[b,h,(s,j)] = q[b,h]·K[b,s,j];  scores[b,h,s] = full[b,h,(s,kv(h))] / sqrt(Hd)
+      out[b,h] = sum_(s,j) [j == kv(h)] softmax_s(scores)[b,h,s] V[b,s,j]
+    Each head also scores the other KV heads' keys (KV x the attention flops, tiny at decode), but the
+    window is read once and never transposed: the einsums of `_attention` contract over [B,S,KV,Hd]
+    with KV between the batch and the slot axes, so XLA copies K and V to [B,KV,S,Hd] every layer and
+    step (decode attention is memory-bound on CPU; the copy made it ~1.2-1.5x slower, microbenchmark).
+    """
+    B, T, H, Hd = q.shape
+    S, KV, G = k.shape[1], cfg.num_kv_heads, cfg.num_groups
+    own = jnp.arange(KV)[:, None] == jnp.arange(KV)[None, :]  # [kv(h), j]
+    own = own[None, None, :, None, None, :]  # [1,1,KV,1,1,KV] against [B,T,KV,G,S,KV]
+    full = jnp.einsum("bhd,bjd->bhj", q.reshape(B, T * H, Hd), k.reshape(B, S * KV, Hd),
+                      preferred_element_type=jnp.float32).reshape(B, T, KV, G, S, KV)
+    scores = jnp.sum(jnp.where(own, full, 0.0), axis=-1) / np.sqrt(Hd)  # [B,T,KV,G,S]
+    scores = jnp.where(mask[:, :, None, None, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(own, probs[..., None], 0.0).astype(v.dtype).reshape(B, T * H, S * KV)
+    out = jnp.einsum("bhj,bjd->bhd", probs, v.reshape(B, S * KV, Hd))
+    return out.reshape(B, T, H, Hd)
 
 
-def _layer(cfg: Qwen2Config, x, lp, positions, mask, kv_cache=None, starts=None):
-    """One decoder layer. Returns (x, (k_layer, v_layer)) where k/v are the (updated) cache slices."""
+def _layer(cfg: Qwen2Config, x, lp, positions, attend):
+    """One decoder layer; attend(q, k, v) -> (attn [B,T,H,Hd], aux). Returns (x, aux)."""
     dt = jnp.dtype(cfg.dtype)
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
     q = jnp.einsum("btd,dhk->bthk", h, lp["q_kernel"].astype(dt)) + lp["q_bias"].astype(dt)
@@ -144,14 +163,7 @@ def _layer(cfg: Qwen2Config, x, lp, positions, mask, kv_cache=None, starts=None)
     v = jnp.einsum("btd,dhk->bthk", h, lp["v_kernel"].astype(dt)) + lp["v_bias"].astype(dt)
     q = constrain(rope(q, positions, cfg.rope_theta), ("batch", "length", "act_heads", "head_dim"))
     k = rope(k, positions, cfg.rope_theta)
-    if kv_cache is not None:
-        k_all = _write_cache(kv_cache[0], k, starts)
-        v_all = _write_cache(kv_cache[1], v, starts)
-        attn = _attention(q, k_all.astype(dt), v_all.astype(dt), mask, cfg)
-        new_kv = (k_all, v_all)
-    else:
-        attn = _attention(q, k, v, mask, cfg)
-        new_kv = None
+    attn, aux = attend(q, k, v)
     x = x + jnp.einsum("bthk,hkd->btd", attn, lp["o_kernel"].astype(dt))
     x = constrain(x, ("batch", "length", "act_embed"))
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
@@ -159,7 +171,7 @@ def _layer(cfg: Qwen2Config, x, lp, positions, mask, kv_cache=None, starts=None)
     up = jnp.einsum("btd,df->btf", h, lp["up_kernel"].astype(dt))
     act = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
     x = x + jnp.einsum("btf,fd->btd", act, lp["down_kernel"].astype(dt))
-    return constrain(x, ("batch", "length", "act_embed")), new_kv
+    return constrain(x, ("batch", "length", "act_embed")), aux
 
 
 def logits_from_hidden(params: Params, hidden: jax.Array, cfg: Qwen2Config) -> jax.Array:
@@ -187,13 +199,24 @@ def _cached_layers(layers: Params, x: jax.Array, cache: dict, cfg: Qwen2Config, 
     positions = starts[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     mask = jnp.arange(cache["k"].shape[2])[None, None, :] <= positions[:, :, None]  # [B,T,S]
 
+    B_idx = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    slots = positions  # row b's token t goes to slot starts[b] + t (beyond S: dropped)
+    attention = _attention_decode if T <= DECODE_ATTENTION_MAX_T else _attention
+
     def body(i, carry):
         h, k, v = carry
-        take = functools.partial(jax.lax.dynamic_index_in_dim, index=i, axis=0, keepdims=False)
-        lp = jax.tree_util.tree_map(take, layers)
-        h, (kl, vl) = _layer(cfg, h, lp, positions, mask, (take(k), take(v)), starts)
-        return (h, jax.lax.dynamic_update_index_in_dim(k, kl, i, 0),
-                jax.lax.dynamic_update_index_in_dim(v, vl, i, 0))
+        lp = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), layers)
+
+        def attend(q, k_new, v_new):
+            # write only the T new slots of layer i into the carried cache (in place), then attend
+            k2 = k.at[i, B_idx, slots].set(k_new.astype(k.dtype), mode="drop")
+            v2 = v.at[i, B_idx, slots].set(v_new.astype(v.dtype), mode="drop")
+            kl = jax.lax.dynamic_index_in_dim(k2, i, 0, keepdims=False).astype(q.dtype)
+            vl = jax.lax.dynamic_index_in_dim(v2, i, 0, keepdims=False).astype(q.dtype)
+            return attention(q, kl, vl, mask, cfg), (k2, v2)
+
+        h, (k, v) = _layer(cfg, h, lp, positions, attend)
+        return h, k, v
 
     x, k, v = jax.lax.fori_loop(0, cfg.num_layers, body, (x, cache["k"], cache["v"]))
     add = jnp.full((B,), T, jnp.int32) if num_new is None else jnp.asarray(num_new).astype(jnp.int32)
@@ -229,7 +252,7 @@ def forward(params: Params, tokens: jax.Array, cfg: Qwen2Config, *, positions: j
         mask = causal & attention_mask.astype(bool)[:, None, :]
 
         def body(h, lp):
-            return _layer(cfg, h, lp, positions, mask)[0], None
+            return _layer(cfg, h, lp, positions, lambda q, k, v: (_attention(q, k, v, mask, cfg), None))[0], None
 
         if cfg.remat:
             body = jax.checkpoint(body, prevent_cse=False)
