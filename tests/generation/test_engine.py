@@ -274,3 +274,13 @@ def test_vocab_limit_never_samples_padding_rows_and_renormalises(params):
         np.testing.assert_allclose(outs[0].logprobs[t], masked[tok], atol=1e-5)
     with pytest.raises(ValueError, match="vocab_limit"):
         GenerationEngine(params, CFG, batch_size=B, max_len=S, vocab_limit=CFG.vocab_size + 1)
+
+
+def test_window_buckets_cover_and_stay_within_1_5x():
+    from rexrag_jax.generation.engine import _window_at_least
+    assert [_window_at_least(n, 64) for n in (1, 64, 65, 97, 129, 193, 257, 385)] == [64, 64, 96, 128, 192, 256,
+                                                                                     384, 512]
+    for n in range(64, 5000):
+        w = _window_at_least(n, 64)
+        assert n <= w <= 1.5 * n
+    assert len({_window_at_least(n, 64) for n in range(1, 4097)}) == 13  # 64 .. 4096: 2 buckets per octave
