@@ -1,13 +1,12 @@
 """Qwen2 / Qwen2.5 decoder as pure functions over a params pytree.
 
 GQA attention with q/k/v biases, RoPE (rotate-half, configurable theta), RMSNorm, SwiGLU MLP, tied or
-untied embeddings. Decoder layers are stacked on axis 0 and run with `lax.scan` (one compiled layer,
-fast compiles for 36-layer models). The same function serves training (full sequences, no cache) and
-generation (a per-row KV cache; see `forward`).
+untied embeddings. Decoder layers are stacked on axis 0 (one compiled layer, fast compiles for 36-layer
+models). The same function serves training (full sequences, no cache: `lax.scan` over the layers, with
+remat) and generation (a per-row KV cache carried through a `fori_loop` over the layers; see `forward`).
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -41,7 +40,7 @@ PARAM_LOGICAL_AXES: Params = {
 }
 
 CACHE_LOGICAL_AXES = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
-# Cached calls with at most this many new tokens per row use the elementwise decode attention.
+# On CPU, cached calls with at most this many new tokens per row use `_attention_decode`.
 DECODE_ATTENTION_MAX_T = 1
 
 
@@ -189,28 +188,32 @@ def logits_from_hidden(params: Params, hidden: jax.Array, cfg: Qwen2Config) -> j
 def _cached_layers(layers: Params, x: jax.Array, cache: dict, cfg: Qwen2Config, num_new=None):
     """The decoder layers over a KV cache, with the stacked cache [L,B,S,KV,Hd] as a fori_loop carry.
 
-    Layer i reads its weights with a dynamic index and writes its new K/V into slice i of the carried
-    cache (dynamic_update_index), so XLA updates the cache buffer in place. (As scan inputs/outputs,
-    the cache would be copied whole every call: ~4x slower per decode step on CPU at 512 slots.)
-    Returns (x, new_cache) with lengths += num_new (default T).
+    Layer i reads its weights with a dynamic index, scatters its T new K/V rows into the carried cache
+    at [i, b, lengths[b] + t] (in place: only B*T slots are written), then attends over slice i. As scan
+    inputs/outputs instead, XLA copied the whole cache every call (~4x slower per decode step on CPU at
+    512 slots). Returns (x, new_cache) with lengths += num_new (default T).
+
+    Decode (T <= DECODE_ATTENTION_MAX_T) on CPU uses `_attention_decode`, which reads the cache without
+    transposing it; on accelerators layout assignment already places the cache for the einsum form,
+    and the flat view would merge a tensor-sharded KV axis into the slot axis (an all-gather).
     """
     B, T = x.shape[:2]
     starts = cache["lengths"].astype(jnp.int32)
     positions = starts[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     mask = jnp.arange(cache["k"].shape[2])[None, None, :] <= positions[:, :, None]  # [B,T,S]
 
-    B_idx = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    slots = positions  # row b's token t goes to slot starts[b] + t (beyond S: dropped)
-    attention = _attention_decode if T <= DECODE_ATTENTION_MAX_T else _attention
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))  # token (b, t) goes to slot positions[b, t]
+    decode_on_cpu = T <= DECODE_ATTENTION_MAX_T and jax.default_backend() == "cpu"
+    attention = _attention_decode if decode_on_cpu else _attention
 
     def body(i, carry):
         h, k, v = carry
         lp = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), layers)
 
         def attend(q, k_new, v_new):
-            # write only the T new slots of layer i into the carried cache (in place), then attend
-            k2 = k.at[i, B_idx, slots].set(k_new.astype(k.dtype), mode="drop")
-            v2 = v.at[i, B_idx, slots].set(v_new.astype(v.dtype), mode="drop")
+            # writes at slots >= S are dropped; padded tokens land past the row's new length
+            k2 = k.at[i, rows, positions].set(k_new.astype(k.dtype), mode="drop")
+            v2 = v.at[i, rows, positions].set(v_new.astype(v.dtype), mode="drop")
             kl = jax.lax.dynamic_index_in_dim(k2, i, 0, keepdims=False).astype(q.dtype)
             vl = jax.lax.dynamic_index_in_dim(v2, i, 0, keepdims=False).astype(q.dtype)
             return attention(q, kl, vl, mask, cfg), (k2, v2)
