@@ -40,14 +40,6 @@ def mask_vocab(logits, vocab_limit):
     return jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, jnp.finfo(logits.dtype).min)
 
 
-def _window(x, window):
-    return x if window >= x.shape[2] else x[:, :, :window]
-
-
-def _unwindow(full, part):
-    return part if part.shape[2] == full.shape[2] else jax.lax.dynamic_update_slice(full, part, (0,) * full.ndim)
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "window", "mesh", "vocab_limit"), donate_argnums=(1, 2, 4))
 def prefill(params, k, v, lengths, last_logits, idx, tokens, num_new, *, cfg, window, mesh=None,
             vocab_limit=None):
@@ -90,7 +82,7 @@ def decode_chunk(params, k, v, lengths, last_logits, active, remaining, recent, 
     eos = jnp.asarray(eos_ids if eos_ids else (-2,), jnp.int32)
     with _mesh_ctx(mesh):
         zeros_f = jnp.zeros((B, steps), jnp.float32)
-        init = (jnp.int32(0), _window(k, window), _window(v, window), lengths, last_logits, active, remaining,
+        init = (jnp.int32(0), k, v, lengths, last_logits, active, remaining,
                 recent, jnp.full((B, steps), pad_id, jnp.int32), zeros_f, zeros_f,
                 jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32))
 
@@ -106,7 +98,7 @@ def decode_chunk(params, k, v, lengths, last_logits, active, remaining, recent, 
             o_lp = o_lp.at[:, i].set(lp)
             o_slp = o_slp.at[:, i].set(slp)
             step = act.astype(jnp.int32)
-            new_logits, cache = qwen2.forward(params, tok[:, None], cfg, num_new=step,
+            new_logits, cache = qwen2.forward(params, tok[:, None], cfg, num_new=step, window=window,
                                               cache={"k": kw, "v": vw, "lengths": lens})
             logits = jnp.where(act[:, None], mask_vocab(new_logits[:, 0], vocab_limit), logits)
             rec = jnp.where(act[:, None], jnp.concatenate([rec[:, 1:], tok[:, None]], axis=1), rec)
@@ -122,7 +114,7 @@ def decode_chunk(params, k, v, lengths, last_logits, active, remaining, recent, 
 
         out = jax.lax.while_loop(cond, body, init)
         _, kw, vw, _, logits, _, _, _, o_tok, o_lp, o_slp, status, count = out
-        return _unwindow(k, kw), _unwindow(v, vw), logits, o_tok, o_lp, o_slp, status, count
+        return kw, vw, logits, o_tok, o_lp, o_slp, status, count
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1, 2))

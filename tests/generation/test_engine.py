@@ -254,6 +254,25 @@ def test_model_cached_forward_matches_full_recompute(params):
         np.testing.assert_allclose(np.asarray(logits[b, 0]), full_logits(params, seqs[b] + [tok])[-1], atol=1e-4)
 
 
+def test_model_cached_forward_window_bounds_attention(params):
+    """window=W reads slots < W only: logits equal the full recompute while the rows fit, and NaNs planted
+    at slots >= W are never read (the full-S call multiplies them by zero probabilities: NaN logits)."""
+    from rexrag_jax.models.qwen2.model import init_cache
+    cache = init_cache(CFG, 2, 64)
+    cache["v"] = cache["v"].at[:, :, 16:].set(jnp.nan)
+    tokens = jnp.array([[3, 4, 5, 6, 7, 8], [9, 10, 11, 0, 0, 0]], jnp.int32)
+    num_new = jnp.array([6, 3], jnp.int32)
+    got, c_got = forward(params, tokens, CFG, cache=dict(cache), num_new=num_new, window=16)
+    for b, n in ((0, 6), (1, 3)):
+        np.testing.assert_allclose(np.asarray(got[b, :n]), full_logits(params, tokens[b, :n].tolist()), atol=1e-4)
+    full, _ = forward(params, tokens, CFG, cache=dict(cache), num_new=num_new)  # reads the NaN slots
+    assert np.isnan(np.asarray(full)).all()
+    assert np.isnan(np.asarray(c_got["v"][:, :, 16:])).all()  # nothing written past the rows
+    step, _ = forward(params, jnp.array([[12], [13]], jnp.int32), CFG, cache=c_got, window=16)  # decode path
+    for b, seq in ((0, [3, 4, 5, 6, 7, 8, 12]), (1, [9, 10, 11, 13])):
+        np.testing.assert_allclose(np.asarray(step[b, 0]), full_logits(params, seq)[-1], atol=1e-4)
+
+
 def test_vocab_limit_never_samples_padding_rows_and_renormalises(params):
     """Ids >= vocab_limit (embedding rows the tokenizer lacks) are never sampled; log-probs are those of
     the softmax restricted to the first vocab_limit ids."""

@@ -185,13 +185,15 @@ def logits_from_hidden(params: Params, hidden: jax.Array, cfg: Qwen2Config) -> j
     return constrain(logits, ("batch", "length", "act_vocab"))
 
 
-def _cached_layers(layers: Params, x: jax.Array, cache: dict, cfg: Qwen2Config, num_new=None):
+def _cached_layers(layers: Params, x: jax.Array, cache: dict, cfg: Qwen2Config, num_new=None,
+                   window: int | None = None):
     """The decoder layers over a KV cache, with the stacked cache [L,B,S,KV,Hd] as a fori_loop carry.
 
     Layer i reads its weights with a dynamic index, scatters its T new K/V rows into the carried cache
     at [i, b, lengths[b] + t] (in place: only B*T slots are written), then attends over slice i. As scan
     inputs/outputs instead, XLA copied the whole cache every call (~4x slower per decode step on CPU at
-    512 slots). Returns (x, new_cache) with lengths += num_new (default T).
+    512 slots). Attention reads only the first `window` slots of each layer (static; default all S).
+    Returns (x, new_cache) with lengths += num_new (default T).
 
     Decode (T <= DECODE_ATTENTION_MAX_T) on CPU uses `_attention_decode`, which reads the cache without
     transposing it; on accelerators layout assignment already places the cache for the einsum form,
@@ -200,7 +202,9 @@ def _cached_layers(layers: Params, x: jax.Array, cache: dict, cfg: Qwen2Config, 
     B, T = x.shape[:2]
     starts = cache["lengths"].astype(jnp.int32)
     positions = starts[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    mask = jnp.arange(cache["k"].shape[2])[None, None, :] <= positions[:, :, None]  # [B,T,S]
+    S = cache["k"].shape[2]
+    W = S if window is None else min(int(window), S)
+    mask = jnp.arange(W)[None, None, :] <= positions[:, :, None]  # [B,T,W]
 
     rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))  # token (b, t) goes to slot positions[b, t]
     decode_on_cpu = T <= DECODE_ATTENTION_MAX_T and jax.default_backend() == "cpu"
@@ -214,8 +218,8 @@ def _cached_layers(layers: Params, x: jax.Array, cache: dict, cfg: Qwen2Config, 
             # writes at slots >= S are dropped; padded tokens land past the row's new length
             k2 = k.at[i, rows, positions].set(k_new.astype(k.dtype), mode="drop")
             v2 = v.at[i, rows, positions].set(v_new.astype(v.dtype), mode="drop")
-            kl = jax.lax.dynamic_index_in_dim(k2, i, 0, keepdims=False).astype(q.dtype)
-            vl = jax.lax.dynamic_index_in_dim(v2, i, 0, keepdims=False).astype(q.dtype)
+            kl = jax.lax.dynamic_slice_in_dim(k2, i, 1, 0)[0, :, :W].astype(q.dtype)
+            vl = jax.lax.dynamic_slice_in_dim(v2, i, 1, 0)[0, :, :W].astype(q.dtype)
             return attention(q, kl, vl, mask, cfg), (k2, v2)
 
         h, (k, v) = _layer(cfg, h, lp, positions, attend)
@@ -228,7 +232,7 @@ def _cached_layers(layers: Params, x: jax.Array, cache: dict, cfg: Qwen2Config, 
 
 def forward(params: Params, tokens: jax.Array, cfg: Qwen2Config, *, positions: jax.Array | None = None,
             attention_mask: jax.Array | None = None, cache: dict | None = None,
-            num_new: jax.Array | None = None, return_hidden: bool = False):
+            num_new: jax.Array | None = None, return_hidden: bool = False, window: int | None = None):
     """Run the decoder.
 
     Without cache: tokens [B,T] (right-padded), attention_mask [B,T] (1 = real), positions default to
@@ -236,7 +240,9 @@ def forward(params: Params, tokens: jax.Array, cfg: Qwen2Config, *, positions: j
 
     With cache (dict k, v [L,B,S,KV,Hd], lengths [B]): row b's T tokens are written at slots
     lengths[b]..lengths[b]+T-1 with RoPE positions equal to the slot; token t attends to slots
-    < lengths[b]+t+1. Returns (logits, new_cache) with lengths += num_new (default T).
+    < lengths[b]+t+1. Returns (logits, new_cache) with lengths += num_new (default T). `window` (static
+    int) bounds attention to slots < window, so decode cost follows the live context rather than S; the
+    caller guarantees lengths[b] + T <= window (later slots would be attended to as if masked out).
 
     return_hidden=True returns the final-normed hidden states instead of logits (for chunked
     log-prob computation over large vocabularies).
@@ -262,7 +268,7 @@ def forward(params: Params, tokens: jax.Array, cfg: Qwen2Config, *, positions: j
         x, _ = jax.lax.scan(body, x, layers)
         new_cache = None
     else:
-        x, new_cache = _cached_layers(layers, x, cache, cfg, num_new)
+        x, new_cache = _cached_layers(layers, x, cache, cfg, num_new, window)
 
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     if return_hidden:
