@@ -77,7 +77,8 @@ def main(argv=None):
     params = init_params(cfg, jax.random.PRNGKey(0))
     rng = np.random.RandomState(0)
     prompts = rng.randint(1, cfg.vocab_size, (args.batch, args.prompt))
-    print(f"device: {jax.devices()[0].platform}, cpus {os.cpu_count()}, XLA single-thread {args.single_thread}; "
+    print(f"device: {jax.devices()[0].platform}, cpus {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}, "
+          f"XLA single-thread {args.single_thread}; "
           f"preset {args.preset} (L={cfg.num_layers}, D={cfg.hidden_size}, V={cfg.vocab_size}); batch "
           f"{args.batch}, prompt {args.prompt}, new {args.new}")
 
@@ -123,6 +124,7 @@ def main(argv=None):
     for threads, t_hf in hf_times.items():
         print(f"transformers ({threads} torch thread{'s' * (threads > 1)}): {t_hf:7.3f} s  "
               f"{n_tok / t_hf:9.1f} tok/s   ratio ours/transformers {t_hf / t_ours:.2f}x")
+    print(f"load average now {os.getloadavg()[0]:.1f}")
     print(f"ratio vs the faster transformers setting: {min(hf_times.values()) / t_ours:.2f}x   "
           f"(greedy first-16-token agreement {agree:.0%})")
 
