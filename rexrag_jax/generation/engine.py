@@ -2,8 +2,8 @@
 
 Each of `batch_size` rows is a slot holding one sequence (slot index == RoPE position, no left
 padding). The host owns per-row lengths and token histories; the device owns the KV cache and each
-row's next-token logits. Shapes are bucketed (powers of two for prefill chunk, sub-batch and attention
-window) so a run compiles a handful of programs, whatever the prompt lengths.
+row's next-token logits. Shapes are bucketed (powers of two for prefill chunk and sub-batch, 2^j or
+3*2^j for the attention window) so a run compiles a handful of programs, whatever the prompt lengths.
 
 Invariant: when `_has_logits[r]`, device `last_logits[r]` are the logits after the row's last token.
 `truncate` and `copy_prefix` may break it; the row is then marked stale and the next `append` /
