@@ -1,7 +1,8 @@
 """GRPO (no probes) vs REX-RAG at equal rollout budget on the demo's synthetic world, over seeds.
 
     python benchmarks/replication.py [--seeds 0 1 2] [--run_root runs/replication] [--quick]
-                                     [--gin_param 'DemoConfig.rl_steps = 30'] [--json_out rep.json]
+                                     [--shared_warm_start] [--gin_param 'DemoConfig.rl_steps = 30']
+                                     [--json_out rep.json]
 
 Per seed: one warm start (SFT) shared by both arms, then two RL runs from it with the same questions per
 step, group size and step count (GRPO: DemoConfig.use_probes = False; REX-RAG: probes + policy correction),
@@ -44,19 +45,28 @@ def main(argv=None) -> int:
     p.add_argument("--gin_file", action="append", default=[])
     p.add_argument("--gin_param", action="append", default=[])
     p.add_argument("--json_out")
+    p.add_argument("--shared_warm_start", action="store_true",
+                   help="one warm start (world and SFT of the first seed) for every seed; the seeds then vary "
+                        "only the RL (rollout sampling, question order): cheaper, measures RL variance only")
     args = p.parse_args(argv)
     demo.enable_compile_cache()
     cfg = demo.parse_config(args.gin_file, args.gin_param, args.quick)
     if not cfg.curve_every:
         cfg = dataclasses.replace(cfg, curve_every=max(1, cfg.rl_steps // 5))
+    # Equal rollout budget: both arms run exactly rl_steps steps (a wall-clock budget would give the
+    # cheaper GRPO arm more steps, or either arm fewer under load).
+    cfg = dataclasses.replace(cfg, rl_time_budget_s=None)
     results = {"grpo": [], "rexrag": []}
     t0 = time.perf_counter()
+    shared = None
     for seed in args.seeds:
         base = os.path.join(args.run_root, f"seed{seed}")
-        warm = None
+        warm = shared
         for arm, probes in (("grpo", False), ("rexrag", True)):
             s = run_arm(os.path.join(base, arm), seed, cfg, probes, warm)
             warm = s["warm_state"]  # the second arm reuses the first arm's world, index and SFT policy
+            if args.shared_warm_start:
+                shared = warm
             row = {"seed": seed, "em_warmstart": s["table"]["all"]["em_warmstart"], "em_rl": s["table"]["all"]["em_rl"],
                    "per_hop": {k: v["em_rl"] for k, v in s["table"].items() if k != "all"},
                    "curve": s["curve"], "seconds": s["total_seconds"]}

@@ -83,7 +83,7 @@ def test_sharded_forward_equals_unsharded(setup, shape):
     logits = sharded_forward(CFG, mesh, shardings)(sharded, tokens, mask)
     assert logits.sharding.spec[0] in (("data", "fsdp"), "data", "fsdp")
     np.testing.assert_allclose(np.asarray(logits) * np.asarray(mask)[..., None], ref * np.asarray(mask)[..., None],
-                               atol=1e-5, rtol=0)
+                               atol=2e-5, rtol=0)  # reduction order of sharded matmuls; max seen 1.3e-5 (std 0.2 init)
 
 
 def test_sharded_cached_decode_equals_unsharded(setup):
