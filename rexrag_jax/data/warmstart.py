@@ -8,7 +8,8 @@ A correct k-hop trajectory (one search per hop, observation appended by the envi
     \\n\\n<information>...</information>\\n\\n
     <think> The birthplace of Marvo is Tavik. </think><answer> Tavik </answer>
 
-A "dead end" (fraction `dead_end_fraction`) stops after j < k searches and answers wrongly: with the
+A "dead end" (fraction `dead_end_fraction`) stops after j < k searches (j random, or j = 0 with
+dead_end_stop="no_search") and answers wrongly: with the
 entity found so far (j >= 1: "<think> The founder of Zelko is Marvo. </think><answer> Marvo </answer>")
 or, with no search at all, a random entity of the answer's type. The answer is never a gold answer,
 so RL and probes have something to fix. Each record keeps `segments` [[kind, text], ...] with kind
@@ -42,12 +43,23 @@ def observation(hits) -> str:
     return f"\n\n<information>{_format_passages(hits)}</information>\n\n"
 
 
+DEAD_END_STOPS = ("any_hop", "no_search")
+
+
 def make_trajectory(world: World, example, retriever, *, dead_end: bool, rng: random.Random,
-                    topk: int = 3) -> dict:
-    """One trajectory record (see the module docstring); `retriever` has `search(queries, topk)`."""
+                    topk: int = 3, dead_end_stop: str = "any_hop") -> dict:
+    """One trajectory record (see the module docstring); `retriever` has `search(queries, topk)`.
+
+    dead_end_stop: where a dead end stops, "any_hop" (after j ~ U{0..k-1} searches) or "no_search"
+    (always guesses before the first search, so the early-answer decision is the first one)."""
+    if dead_end_stop not in DEAD_END_STOPS:
+        raise ValueError(f"dead_end_stop must be one of {DEAD_END_STOPS}, got {dead_end_stop!r}")
     hops = world.hops(example.id)
     k = len(hops)
-    stop = rng.randrange(k) if dead_end else k  # searches done before answering
+    if dead_end:
+        stop = rng.randrange(k) if dead_end_stop == "any_hop" else 0  # searches done before answering
+    else:
+        stop = k
     segments: list[list[str]] = []
     known = None  # (subject, relation, object) learnt from the last observation
     for subj, rel, _ in hops[:stop]:
@@ -76,7 +88,7 @@ def make_trajectory(world: World, example, retriever, *, dead_end: bool, rng: ra
 
 
 def make_warmstart(world: World, *, dead_end_fraction: float = 0.2, seed: int = 0, retriever=None,
-                   topk: int = 3, examples=None) -> list[dict]:
+                   topk: int = 3, examples=None, dead_end_stop: str = "any_hop") -> list[dict]:
     """Trajectories for `examples` (default: the train split), deterministic given `seed`.
 
     Exactly round(dead_end_fraction * n) of them are dead ends (chosen at random). `retriever` defaults
@@ -90,7 +102,7 @@ def make_warmstart(world: World, *, dead_end_fraction: float = 0.2, seed: int = 
     rng = random.Random(seed)
     n_dead = round(dead_end_fraction * len(examples))
     dead = set(rng.sample(range(len(examples)), n_dead))
-    return [make_trajectory(world, ex, retriever, dead_end=i in dead, rng=rng, topk=topk)
+    return [make_trajectory(world, ex, retriever, dead_end=i in dead, rng=rng, topk=topk, dead_end_stop=dead_end_stop)
             for i, ex in enumerate(examples)]
 
 

@@ -179,6 +179,22 @@ def test_warmstart_deterministic_and_fraction_bounds(world, trajectories):
         make_warmstart(world, dead_end_fraction=1.5)
 
 
+def test_dead_ends_can_be_guesses_before_any_search(world, trajectories):
+    no_search = make_warmstart(world, dead_end_fraction=0.25, seed=1, dead_end_stop="no_search")
+    dead = [t for t in no_search if t["dead_end"]]
+    assert len(dead) == round(0.25 * len(world.train))
+    # same questions are dead ends as with "any_hop"; each guesses at once, wrongly, in the answer grammar
+    assert [t["id"] for t in dead] == [t["id"] for t in trajectories if t["dead_end"]]
+    for t in dead:
+        assert t["num_searches"] == 0 and t["segments"][0][0] == "response" and len(t["segments"]) == 1
+        assert re.fullmatch(r"<think> I think the answer is (\w+)\. </think><answer> \1 </answer>", t["response"])
+        assert compute_reward(t["response"], t["golden_answers"]) == 0.0
+    # the correct trajectories do not depend on where dead ends stop
+    assert [t for t in no_search if not t["dead_end"]] == [t for t in trajectories if not t["dead_end"]]
+    with pytest.raises(ValueError, match="dead_end_stop"):
+        make_warmstart(world, dead_end_stop="late")
+
+
 def test_observation_format():
     hits = [{"document": {"id": "1", "contents": '"Tavi"\nTavi is a city.'}, "score": 1.0},
             {"id": "2", "contents": '"Moru"\nMoru is a person.'}]
