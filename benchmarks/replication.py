@@ -1,7 +1,8 @@
 """GRPO (no probes) vs REX-RAG at equal rollout budget on the demo's synthetic world, over seeds.
 
     python benchmarks/replication.py [--seeds 0 1 2] [--run_root runs/replication] [--quick]
-                                     [--shared_warm_start] [--gin_param 'DemoConfig.rl_steps = 30']
+                                     [--shared_warm_start | --warm_run RUNS/DEMO]
+                                     [--gin_param 'DemoConfig.rl_steps = 30']
                                      [--json_out rep.json]
 
 Per seed: one warm start (SFT) shared by both arms, then two RL runs from it with the same questions per
@@ -45,6 +46,8 @@ def main(argv=None) -> int:
     p.add_argument("--gin_file", action="append", default=[])
     p.add_argument("--gin_param", action="append", default=[])
     p.add_argument("--json_out")
+    p.add_argument("--warm_run", help="a finished `rexrag demo` run dir (same config, seed of the first --seeds): "
+                   "its warm start is used for every seed (implies --shared_warm_start)")
     p.add_argument("--shared_warm_start", action="store_true",
                    help="one warm start (world and SFT of the first seed) for every seed; the seeds then vary "
                         "only the RL (rollout sampling, question order): cheaper, measures RL variance only")
@@ -59,6 +62,10 @@ def main(argv=None) -> int:
     results = {"grpo": [], "rexrag": []}
     t0 = time.perf_counter()
     shared = None
+    if args.warm_run:
+        args.shared_warm_start = True
+        shared = demo.load_warm_start(args.warm_run, args.seeds[0], cfg)
+        print(f"warm start from {args.warm_run}: held-out EM {100 * shared['before'].average:.1f}", flush=True)
     for seed in args.seeds:
         base = os.path.join(args.run_root, f"seed{seed}")
         warm = shared

@@ -50,43 +50,46 @@ class DemoConfig:
     num_country: int = 10
     num_company: int = 30
     dead_end_fraction: float = 0.3      # warm-start trajectories that answer too early (wrongly)
+    dead_end_stop: str = "any_hop"      # where dead ends stop ("no_search": guess before any search)
     sft_examples: int = 0               # warm-start trajectories used (0: the whole train split)
     test_per_hop: int = 100             # held-out questions per hop count
     vocab_size: int = 1024              # SentencePiece upper bound (the model uses the trained vocab size)
-    # policy: Qwen2 architecture, smaller than the "small" preset so that CPU training fits minutes
-    hidden_size: int = 128
-    intermediate_size: int = 384
+    # policy: Qwen2 architecture, 2 layers so that CPU training fits minutes; heads of 64 dims (at 32 the
+    # copy-a-name-from-the-observation behaviour did not form within the SFT budget, see docs/benchmarks/demo.md)
+    hidden_size: int = 256
+    intermediate_size: int = 768
     num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 2
-    head_dim: int = 32
-    # supervised warm start
+    head_dim: int = 64
+    # supervised warm start (lr 3e-3 diverged to EM ~1 %, 1e-3 learns too slowly for the budget)
     sft_steps: int = 800
     sft_batch_size: int = 8
-    sft_lr: float = 1e-3
+    sft_lr: float = 2e-3
     sft_time_budget_s: float | None = 540.0
     # REX-RAG
-    rl_steps: int = 15
+    rl_steps: int = 30
     num_questions: int = 8
     group_size: int = 4
-    rl_lr: float = 1e-4
+    rl_lr: float = 3e-5
     micro_batch: int = 8
     kl_coef: float = 0.001
     use_probes: bool = True
     revision_prob: float = 0.5          # higher than the paper's 0.2: few wrong answers per small step
     initial_keep_ratio: float = 0.25
     rl_time_budget_s: float | None = 240.0
+    temperature: float = 0.7            # rollout sampling temperature; the trainer's log-probs use the same
     curve_every: int = 0                # >0: greedy EM on `curve_examples` test questions every k RL steps
     curve_examples: int = 60
     # rollout (shorter than the paper's 500 tokens/turn, 4096 context: the demo's turns are ~30 tokens)
     max_new_tokens: int = 64
     max_context: int = 1024
-    topk: int = 3
+    topk: int = 1                      # one passage per search (SPEC: 3): shorter sequences, no distractors
     max_turns: int = 5
     length_bucket: int = 128           # sequences padded to multiples of this (each length compiles once)
 
 
-QUICK_OVERRIDES = dict(num_person=40, num_city=14, num_country=4, num_company=10, sft_examples=400,
+QUICK_OVERRIDES = dict(hidden_size=128, intermediate_size=384, head_dim=32, num_person=40, num_city=14, num_country=4, num_company=10, sft_examples=400,
                        test_per_hop=10, sft_steps=25, rl_steps=2, num_questions=4, group_size=4,
                        micro_batch=8, curve_every=0, vocab_size=700, sft_time_budget_s=None, rl_time_budget_s=None)
 
@@ -208,7 +211,7 @@ def prepare_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool,
     sft_examples = world.train[:cfg.sft_examples] if cfg.sft_examples else world.train
     retriever.prefetch([f"{s} {r}" for ex in sft_examples for s, r, _ in world.hops(ex.id)], cfg.topk)
     trajectories = make_warmstart(world, dead_end_fraction=cfg.dead_end_fraction, seed=seed, retriever=retriever,
-                                  topk=cfg.topk, examples=sft_examples)
+                                  topk=cfg.topk, examples=sft_examples, dead_end_stop=cfg.dead_end_stop)
     write_world(world, os.path.join(run_dir, "world"), trajectories)
     done("warmstart_data", f"({len(trajectories)} trajectories, {sum(t['dead_end'] for t in trajectories)} dead ends)")
 
@@ -244,6 +247,42 @@ def prepare_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool,
                 sft_hist=sft_hist, evaluator=evaluator, before=before, run_dir=run_dir, times=dict(times))
 
 
+def load_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool = False) -> dict:
+    """The `prepare_warm_start` result of a finished demo run (same seed and config), rebuilt from its files:
+    world (regenerated, checked against world/corpus.jsonl), index, tokenizer and warmstart_model; the
+    warm-start evaluation is re-run (greedy, so it reproduces eval_warmstart.jsonl's EM)."""
+    from rexrag_jax.data.synthetic_world import WorldConfig, generate_world
+    from rexrag_jax.models.qwen2.hf_io import load_checkpoint
+    from rexrag_jax.retrieval import build_default_retriever
+    from rexrag_jax.rollout import RolloutConfig
+    from rexrag_jax.train.rollout_source import SearchRollout
+
+    run_dir = os.path.abspath(run_dir)
+    need = ["world/corpus.jsonl", "index", "tokenizer/demo.model", "warmstart_model/config.json"]
+    missing = [n for n in need if not os.path.exists(os.path.join(run_dir, n))]
+    if missing:
+        raise FileNotFoundError(f"{run_dir}: not a finished demo warm start (missing {', '.join(missing)})")
+    world = generate_world(WorldConfig(seed=seed, num_person=cfg.num_person, num_city=cfg.num_city,
+                                       num_country=cfg.num_country, num_company=cfg.num_company,
+                                       test_per_hop=(cfg.test_per_hop,) * 3))
+    with open(os.path.join(run_dir, "world", "corpus.jsonl")) as f:
+        if [json.loads(line) for line in f] != world.corpus_rows():
+            raise ValueError(f"{run_dir}/world/corpus.jsonl is not the world of seed {seed} with this DemoConfig")
+    retriever = CachedRetriever(build_default_retriever(os.path.join(run_dir, "world", "corpus.jsonl"),
+                                                        os.path.join(run_dir, "index"), progress=progress))
+    warm_dir = os.path.join(run_dir, "warmstart_model")
+    loaded_cfg, params = load_checkpoint(warm_dir, progress=False)
+    model_cfg = model_config(cfg, loaded_cfg.vocab_size)
+    tok_path = os.path.join(run_dir, "tokenizer", "demo.model")
+    eval_cfg = RolloutConfig(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens, max_context=cfg.max_context,
+                             topk=cfg.topk, greedy=True, probes=False)
+    evaluator = SearchRollout(tokenizer_path=tok_path, retriever=retriever, config=eval_cfg)
+    evaluator.setup(model_cfg, params, cfg.num_questions * cfg.group_size)
+    _, before = evaluate_split(evaluator, params, world.test, None, progress)
+    return dict(world=world, retriever=retriever, tok_path=tok_path, model_cfg=model_cfg, warm_dir=warm_dir,
+                sft_hist=[], evaluator=evaluator, before=before, run_dir=run_dir, times={})
+
+
 def run_demo(run_dir: str, seed: int = 0, cfg: DemoConfig | None = None, progress: bool = True,
              warm: dict | None = None) -> dict:
     """All phases (see the module docstring); returns the summary dict also written to summary.json.
@@ -273,7 +312,7 @@ def run_demo(run_dir: str, seed: int = 0, cfg: DemoConfig | None = None, progres
     _log("== rl")
     t_rl = time.perf_counter()
     rollout_cfg = RolloutConfig(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens, max_obs_tokens=500,
-                                max_context=cfg.max_context, topk=cfg.topk, temperature=1.0,
+                                max_context=cfg.max_context, topk=cfg.topk, temperature=cfg.temperature,
                                 probes=cfg.use_probes, revision_prob=cfg.revision_prob)
     rollout = SearchRollout(tokenizer_path=warm["tok_path"], retriever=warm["retriever"], config=rollout_cfg)
     n_rows = cfg.num_questions * cfg.group_size
@@ -282,7 +321,7 @@ def run_demo(run_dir: str, seed: int = 0, cfg: DemoConfig | None = None, progres
                             micro_batch=cfg.micro_batch, max_seq_len=cfg.max_context + cfg.max_new_tokens,
                             length_bucket=cfg.length_bucket, kl_coef=cfg.kl_coef, use_probes=cfg.use_probes,
                             initial_keep_ratio=cfg.initial_keep_ratio, checkpoint_every=max(1, cfg.rl_steps),
-                            eval_every=0, logprob_chunk=0)
+                            eval_every=0, logprob_chunk=0, temperature=cfg.temperature)
     opt_cfg = OptimizerConfig(learning_rate=cfg.rl_lr, warmup_fraction=0.0, total_steps=cfg.rl_steps)
     trainer = Trainer(os.path.join(run_dir, "rl"), model_cfg=model_cfg, rollout=rollout, config=train_cfg,
                       optimizer=opt_cfg, train_examples=world.train, init_checkpoint=warm["warm_dir"])
@@ -365,60 +404,6 @@ def print_summary(summary: dict) -> None:
 
 
 # --- evaluation of an exported policy on any QA files -------------------------------------------------------
-@gin.configurable
-def eval_retriever(corpus_path: str = gin.REQUIRED, index_dir: str | None = None):
-    """In-process MiniLM retriever over `corpus_path`; its index is cached in `index_dir` (default: a temp
-    directory named after the corpus file, rebuilt when the corpus changes)."""
-    from rexrag_jax.retrieval import build_default_retriever
-
-    index_dir = index_dir or os.path.join(tempfile.gettempdir(), "rexrag_demo_index",
-                                          os.path.basename(corpus_path).replace(".", "_"))
-    return build_default_retriever(corpus_path, index_dir, progress=True)
-
-
-def make_eval_generate_fn(checkpoint: str, tokenizer: str | None = None, gin_files: Sequence[str] = (),
-                          gin_params: Sequence[str] = (), retriever_url: str | None = None, topk: int = 3,
-                          max_turns: int = 5, corpus: str | None = None, index_dir: str | None = None,
-                          batch_size: int = 64, max_new_tokens: int = 500, max_context: int = 4096):
-    """generate_fn(list[QAExample]) -> responses: greedy, probe-free rollouts of an HF-format Qwen2 policy.
-
-    Same keyword arguments as rexrag_jax.evaluation.build_generate_fn passes (plus corpus, batch_size, and
-    the per-turn/context limits, SPEC §1 values by default). Retriever: `retriever_url` (Search-R1 HTTP
-    server), else `corpus` (in-process MiniLM), else gin `eval_retriever.corpus_path`.
-    """
-    import jax
-
-    from rexrag_jax.generation.engine import GenerationEngine
-    from rexrag_jax.models.qwen2.hf_io import load_checkpoint
-    from rexrag_jax.retrieval import HttpRetriever
-    from rexrag_jax.rollout import RolloutConfig, run_rollouts
-    from rexrag_jax.tokenizers import load_tokenizer
-
-    if not checkpoint:
-        raise ValueError("make_eval_generate_fn: --checkpoint (an HF-format policy directory) is required")
-    if gin_files or gin_params:
-        gin.parse_config_files_and_bindings(list(gin_files), list(gin_params), finalize_config=False)
-    model_cfg, params = load_checkpoint(checkpoint, progress=False)
-    tok = load_tokenizer(tokenizer or checkpoint)
-    if retriever_url:
-        retriever = HttpRetriever(retriever_url)
-    else:
-        retriever = eval_retriever(corpus, index_dir) if corpus else eval_retriever()
-    cfg = RolloutConfig(max_turns=max_turns, max_new_tokens=max_new_tokens, max_context=max_context, topk=topk,
-                        greedy=True, probes=False)
-    engine = GenerationEngine(params, model_cfg, batch_size=batch_size, max_len=max_context + max_new_tokens,
-                              pad_id=tok.pad_id, eos_ids=tok.eos_ids, detokenize=tok.decode)
-
-    def generate_fn(examples):
-        out = []
-        for lo in range(0, len(examples), batch_size):
-            part = list(examples[lo:lo + batch_size])
-            batch, _ = run_rollouts(engine, tok, retriever, part, 1, jax.random.PRNGKey(0), cfg)
-            out.extend(batch.response_text[:len(part)])
-        return out
-    return generate_fn
-
-
 def eval_main(argv) -> int:
     """`rexrag demo eval`: the 7-source EM table of an exported demo policy on QA files."""
     from rexrag_jax.data.readers import list_qa_files, read_qa_file
@@ -427,13 +412,16 @@ def eval_main(argv) -> int:
     p = argparse.ArgumentParser(prog="rexrag demo eval", description=eval_main.__doc__)
     p.add_argument("--model", required=True, help="HF-format policy dir (RUN/final_model or RUN/warmstart_model)")
     p.add_argument("--corpus", help="Search-R1 corpus jsonl for the in-process MiniLM retriever")
-    p.add_argument("--index_dir", help="where the --corpus index is cached (default: a temp dir per corpus name)")
+    p.add_argument("--index_dir", help="where the --corpus index is cached (default: one dir per corpus under ~/.cache/rexrag_jax/eval_index)")
     p.add_argument("--retriever_url", help="Search-R1 POST /retrieve server instead of --corpus")
     p.add_argument("--data", nargs="+", required=True, help="benchmark files or directories")
     p.add_argument("--limit", type=int, help="first N questions of each file")
     p.add_argument("--batch_size", type=int, default=32)
     p.add_argument("--max_new_tokens", type=int, default=500)
     p.add_argument("--max_context", type=int, default=4096)
+    p.add_argument("--topk", type=int, default=DemoConfig().topk,
+                   help="passages per search (default: the demo's training value, DemoConfig.topk)")
+    p.add_argument("--max_turns", type=int, default=DemoConfig().max_turns)
     p.add_argument("--out", help="scored trajectories (jsonl)")
     args = p.parse_args(argv)
     if not (args.corpus or args.retriever_url):
@@ -442,8 +430,10 @@ def eval_main(argv) -> int:
     for f in list_qa_files(args.data):
         rows = read_qa_file(f)
         examples.extend(rows[:args.limit] if args.limit else rows)
+    from rexrag_jax.rollout import make_eval_generate_fn
+
     gen = make_eval_generate_fn(args.model, retriever_url=args.retriever_url, corpus=args.corpus,
-                                index_dir=args.index_dir,
+                                index_dir=args.index_dir, topk=args.topk, max_turns=args.max_turns,
                                 batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                                 max_context=args.max_context)
     _, summary = evaluate(examples, gen, batch_size=args.batch_size, out_path=args.out)

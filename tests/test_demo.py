@@ -59,8 +59,12 @@ def test_exported_policy_evaluates_on_other_data(quick_run, tmp_path):
     """`rexrag demo eval` path: load the export, retrieve over a corpus, greedy rollouts, EM table."""
     _, run_dir = quick_run
     world_dir = os.path.join(run_dir, "world")
-    gen = demo.make_eval_generate_fn(os.path.join(run_dir, "final_model"), corpus=os.path.join(world_dir, "corpus.jsonl"),
-                                     index_dir=str(tmp_path / "index"), batch_size=4, max_new_tokens=64, max_context=1024)
+    from rexrag_jax.rollout import make_eval_generate_fn
+
+    cfg = demo.DemoConfig()
+    gen = make_eval_generate_fn(os.path.join(run_dir, "final_model"), corpus=os.path.join(world_dir, "corpus.jsonl"),
+                                index_dir=str(tmp_path / "index"), batch_size=4, max_new_tokens=cfg.max_new_tokens,
+                                max_context=cfg.max_context, topk=cfg.topk, max_turns=cfg.max_turns, progress=False)
     from rexrag_jax.data.readers import read_qa_file
     examples = read_qa_file(os.path.join(world_dir, "test.jsonl"))[:4]
     responses = gen(examples)
