@@ -172,19 +172,37 @@ def hop_table(before, after) -> tuple[str, dict]:
     return "\n".join(lines + ["-" * 53] + rows), data
 
 
+def world_config(cfg: DemoConfig, seed: int):
+    """The synthetic world's WorldConfig for this demo config and seed."""
+    from rexrag_jax.data.synthetic_world import WorldConfig
+
+    return WorldConfig(seed=seed, num_person=cfg.num_person, num_city=cfg.num_city, num_country=cfg.num_country,
+                       num_company=cfg.num_company, test_per_hop=(cfg.test_per_hop,) * 3)
+
+
+def make_evaluator(cfg: DemoConfig, tok_path: str, retriever, model_cfg, params):
+    """One greedy, probe-free evaluation engine, used for the held-out EM before and after RL."""
+    from rexrag_jax.rollout import RolloutConfig
+    from rexrag_jax.train.rollout_source import SearchRollout
+
+    eval_cfg = RolloutConfig(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens, max_context=cfg.max_context,
+                             topk=cfg.topk, greedy=True, probes=False)
+    evaluator = SearchRollout(tokenizer_path=tok_path, retriever=retriever, config=eval_cfg)
+    evaluator.setup(model_cfg, params, cfg.num_questions * cfg.group_size)
+    return evaluator
+
+
 def prepare_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool, times: dict) -> dict:
     """Phases 1-6: world, index, warm-start data, tokenizer, SFT, warm-start evaluation. The returned dict is
     everything the RL phase needs; benchmarks/replication.py reuses it for a second RL arm."""
     import jax
 
-    from rexrag_jax.data.synthetic_world import WorldConfig, generate_world, write_world
+    from rexrag_jax.data.synthetic_world import generate_world, write_world
     from rexrag_jax.data.warmstart import make_warmstart, training_text
     from rexrag_jax.models.qwen2 import model as qwen2
     from rexrag_jax.retrieval import build_default_retriever
-    from rexrag_jax.rollout import RolloutConfig
     from rexrag_jax.tokenizers import load_tokenizer, train_sentencepiece
     from rexrag_jax.train.metrics_log import MetricsLogger
-    from rexrag_jax.train.rollout_source import SearchRollout
     from rexrag_jax.train.sft import SFTConfig, build_sft_data, train_sft
 
     def phase(name):
@@ -196,9 +214,7 @@ def prepare_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool,
         _log(f"   {name}: {times[name]:.1f}s {extra}")
 
     phase("world")
-    wcfg = WorldConfig(seed=seed, num_person=cfg.num_person, num_city=cfg.num_city, num_country=cfg.num_country,
-                       num_company=cfg.num_company, test_per_hop=(cfg.test_per_hop,) * 3)
-    world = generate_world(wcfg)
+    world = generate_world(world_config(cfg, seed))
     paths = write_world(world, os.path.join(run_dir, "world"))
     done("world", f"({len(world.names)} entities, {len(world.train)} train / {len(world.test)} test questions)")
 
@@ -233,11 +249,7 @@ def prepare_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool,
     done("sft", f"({sft_hist[-1]['step'] + 1} steps, final loss {sft_hist[-1]['loss']:.3f})")
 
     phase("eval_warmstart")
-    # One greedy evaluation engine for before and after RL (same shapes, same retriever).
-    eval_cfg = RolloutConfig(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens, max_context=cfg.max_context,
-                             topk=cfg.topk, greedy=True, probes=False)
-    evaluator = SearchRollout(tokenizer_path=tok_path, retriever=retriever, config=eval_cfg)
-    evaluator.setup(model_cfg, params, cfg.num_questions * cfg.group_size)
+    evaluator = make_evaluator(cfg, tok_path, retriever, model_cfg, params)
     _, before = evaluate_split(evaluator, params, world.test, os.path.join(run_dir, "eval_warmstart.jsonl"),
                                progress)
     logger.log(0, {f"eval/em_{k}": v["em"] for k, v in before.per_source.items()} | {"eval/em_mean": before.average})
@@ -251,20 +263,16 @@ def load_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool = F
     """The `prepare_warm_start` result of a finished demo run (same seed and config), rebuilt from its files:
     world (regenerated, checked against world/corpus.jsonl), index, tokenizer and warmstart_model; the
     warm-start evaluation is re-run (greedy, so it reproduces eval_warmstart.jsonl's EM)."""
-    from rexrag_jax.data.synthetic_world import WorldConfig, generate_world
+    from rexrag_jax.data.synthetic_world import generate_world
     from rexrag_jax.models.qwen2.hf_io import load_checkpoint
     from rexrag_jax.retrieval import build_default_retriever
-    from rexrag_jax.rollout import RolloutConfig
-    from rexrag_jax.train.rollout_source import SearchRollout
 
     run_dir = os.path.abspath(run_dir)
     need = ["world/corpus.jsonl", "index", "tokenizer/demo.model", "warmstart_model/config.json"]
     missing = [n for n in need if not os.path.exists(os.path.join(run_dir, n))]
     if missing:
         raise FileNotFoundError(f"{run_dir}: not a finished demo warm start (missing {', '.join(missing)})")
-    world = generate_world(WorldConfig(seed=seed, num_person=cfg.num_person, num_city=cfg.num_city,
-                                       num_country=cfg.num_country, num_company=cfg.num_company,
-                                       test_per_hop=(cfg.test_per_hop,) * 3))
+    world = generate_world(world_config(cfg, seed))
     with open(os.path.join(run_dir, "world", "corpus.jsonl")) as f:
         if [json.loads(line) for line in f] != world.corpus_rows():
             raise ValueError(f"{run_dir}/world/corpus.jsonl is not the world of seed {seed} with this DemoConfig")
@@ -274,10 +282,7 @@ def load_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool = F
     loaded_cfg, params = load_checkpoint(warm_dir, progress=False)
     model_cfg = model_config(cfg, loaded_cfg.vocab_size)
     tok_path = os.path.join(run_dir, "tokenizer", "demo.model")
-    eval_cfg = RolloutConfig(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens, max_context=cfg.max_context,
-                             topk=cfg.topk, greedy=True, probes=False)
-    evaluator = SearchRollout(tokenizer_path=tok_path, retriever=retriever, config=eval_cfg)
-    evaluator.setup(model_cfg, params, cfg.num_questions * cfg.group_size)
+    evaluator = make_evaluator(cfg, tok_path, retriever, model_cfg, params)
     _, before = evaluate_split(evaluator, params, world.test, None, progress)
     return dict(world=world, retriever=retriever, tok_path=tok_path, model_cfg=model_cfg, warm_dir=warm_dir,
                 sft_hist=[], evaluator=evaluator, before=before, run_dir=run_dir, times={})

@@ -75,6 +75,21 @@ def test_exported_policy_evaluates_on_other_data(quick_run, tmp_path):
     assert responses == [dumped[e.id] for e in examples]
 
 
+def test_load_warm_start_rebuilds_the_runs_warm_start(quick_run):
+    """replication --warm_run path: the rebuilt warm start re-evaluates to the run's warm-start EM."""
+    _, run_dir = quick_run
+    cfg = demo.parse_config([], [], quick=True)
+    warm = demo.load_warm_start(run_dir, 0, cfg)
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "eval_warmstart.jsonl"))]
+    assert warm["before"].num_examples == len(rows)
+    assert warm["before"].average == pytest.approx(np.mean([r["em"] for r in rows]))
+    assert warm["warm_dir"] == os.path.join(run_dir, "warmstart_model")
+    with pytest.raises(ValueError, match="not the world of seed 1"):
+        demo.load_warm_start(run_dir, 1, cfg)
+    with pytest.raises(FileNotFoundError, match="missing"):
+        demo.load_warm_start(os.path.dirname(run_dir), 0, cfg)
+
+
 def test_hop_table_rows_and_delta():
     before = Summary({"synth_1hop": {"n": 10, "em": 0.1}, "synth_2hop": {"n": 10, "em": 0.5}}, 0.3, 20)
     after = Summary({"synth_1hop": {"n": 10, "em": 0.6}, "synth_2hop": {"n": 10, "em": 0.4}}, 0.5, 20)
