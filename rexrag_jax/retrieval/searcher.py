@@ -2,7 +2,9 @@
 
 Both return `(indices int64 [Q, k], scores float32 [Q, k])`, best first, k = min(topk, N).
 ScaNN = tree partitioning (k-means leaves) + asymmetric hashing (anisotropic PQ scoring) +
-exact float32 reordering of the best `reorder_k` candidates.
+exact float32 reordering of the best `reorder_k` candidates. `num_leaves=0` drops the tree: every
+point is scored by asymmetric hashing (ScaNN's recommended setting for mid-sized corpora, and the only
+one that helps on data without cluster structure, where a partition loses the true neighbours).
 """
 from __future__ import annotations
 
@@ -74,20 +76,38 @@ class ScannSearcher:
 
         n = db.shape[0]
         params = {**default_scann_params(n), **{k: v for k, v in overrides.items() if v is not None}}
+        if params["num_leaves"] < 0 or (params["num_leaves"] > 0 and params["num_leaves_to_search"] < 1):
+            raise ValueError(f"ScaNN num_leaves must be >= 0 (0 = no tree) and num_leaves_to_search >= 1, "
+                             f"got {params['num_leaves']} / {params['num_leaves_to_search']}")
         b = scann.scann_ops_pybind.builder(np.ascontiguousarray(db, dtype=np.float32), 10, "dot_product")
-        b = b.tree(num_leaves=params["num_leaves"], num_leaves_to_search=params["num_leaves_to_search"],
-                   training_sample_size=params["training_sample_size"])
+        if params["num_leaves"] > 0:
+            b = b.tree(num_leaves=params["num_leaves"], num_leaves_to_search=params["num_leaves_to_search"],
+                       training_sample_size=params["training_sample_size"])
+            ah = {}
+        else:  # no tree: the AH codebooks are trained on the same sample the tree would have used
+            params["num_leaves_to_search"] = 0
+            ah = {"training_sample_size": params["training_sample_size"]}
         b = b.score_ah(params["dimensions_per_block"],
-                       anisotropic_quantization_threshold=params["anisotropic_quantization_threshold"])
+                       anisotropic_quantization_threshold=params["anisotropic_quantization_threshold"], **ah)
         b = b.reorder(params["reorder_k"])
         return cls(b.build(), n, params)
+
+    def _knobs(self, k: int) -> dict:
+        knobs = {"final_num_neighbors": k, "pre_reorder_num_neighbors": max(self.params["reorder_k"], k)}
+        if self.params["num_leaves"] > 0:
+            knobs["leaves_to_search"] = self.params["num_leaves_to_search"]
+        return knobs
 
     def search(self, queries: np.ndarray, k: int):
         k = min(k, self.n)
         q = np.ascontiguousarray(queries, dtype=np.float32)
-        idx, dist = self._s.search_batched(q, final_num_neighbors=k,
-                                           pre_reorder_num_neighbors=max(self.params["reorder_k"], k),
-                                           leaves_to_search=self.params["num_leaves_to_search"])
+        idx, dist = self._s.search_batched(q, **self._knobs(k))
+        return np.asarray(idx, np.int64), np.asarray(dist, np.float32)
+
+    def search_one(self, query: np.ndarray, k: int):
+        """One query [D] -> (indices [k], scores [k]): ScaNN's single-query path (no batch setup)."""
+        k = min(k, self.n)
+        idx, dist = self._s.search(np.ascontiguousarray(query, dtype=np.float32), **self._knobs(k))
         return np.asarray(idx, np.int64), np.asarray(dist, np.float32)
 
     def set_num_threads(self, n: int):

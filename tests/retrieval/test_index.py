@@ -87,6 +87,31 @@ def test_scann_recall_on_clustered_data_and_roundtrip(tmp_path):
     np.testing.assert_array_equal(again, got)
 
 
+def test_scann_without_tree_scores_every_point_and_roundtrips(tmp_path):
+    # Uniform random vectors: no cluster structure, so only the no-tree (AH brute force) setting keeps
+    # recall; the reorder depth is the only recall knob, and search / search_one / load must agree.
+    rng = np.random.default_rng(2)
+    db = rng.normal(size=(20000, 32)).astype(np.float32)
+    db /= np.linalg.norm(db, axis=1, keepdims=True)
+    q = rng.normal(size=(50, 32)).astype(np.float32)
+    s = ScannSearcher.build(db, num_leaves=0, reorder_k=200)
+    assert s.params["num_leaves"] == 0 and s.params["num_leaves_to_search"] == 0
+    got, scores = s.search(q, 10)
+    ref, ref_scores = exact_topk(db, q, 10)
+    recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(got, ref)])
+    assert recall >= 0.95, recall
+    # reordered scores are exact inner products of the returned rows
+    np.testing.assert_allclose(scores, np.einsum("qd,qkd->qk", q, db[got]), rtol=1e-5, atol=1e-6)
+    for j in range(3):
+        one_i, one_s = s.search_one(q[j], 10)
+        np.testing.assert_array_equal(one_i, got[j])
+    s.save(str(tmp_path / "ah"))
+    again, _ = ScannSearcher.load(str(tmp_path / "ah"), len(db), s.params).search(q, 10)
+    np.testing.assert_array_equal(again, got)
+    with pytest.raises(ValueError, match="num_leaves"):
+        ScannSearcher.build(db, num_leaves=-1)
+
+
 def test_scann_index_build_and_load(small_corpus, tiny_encoder, exact_index, tmp_path):
     d = str(tmp_path / "scann")
     build_index(small_corpus, d, tiny_encoder, searcher="scann", shard_size=128, progress=False,
