@@ -11,6 +11,7 @@ COMMANDS = {
     "train": ("rexrag_jax.train.main:main", "REX-RAG / GRPO training from gin files"),
     "eval": ("rexrag_jax.evaluation.main:main", "greedy evaluation or re-scoring of trajectory dumps"),
     "build-index": ("rexrag_jax.retrieval.cli:build_index_main", "encode a corpus and build a ScaNN/exact index"),
+    "merge-index": ("rexrag_jax.retrieval.cli:merge_index_main", "merge per-host part indexes into one index"),
     "serve-retriever": ("rexrag_jax.retrieval.cli:serve_main", "Search-R1 compatible POST /retrieve server"),
     "generate": ("rexrag_jax.generation.demo:main", "sample from a policy (tiny random model by default)"),
     "plan": ("rexrag_jax.train.planner:main", "memory plan per device for a gin config and mesh"),

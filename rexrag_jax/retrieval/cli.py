@@ -1,7 +1,8 @@
-"""`rexrag build-index` and `rexrag serve-retriever`, configured with gin (see gin/retriever/*.gin).
+"""`rexrag build-index`, `rexrag merge-index`, `rexrag serve-retriever`, configured with gin (gin/retriever/).
 
     rexrag build-index --gin_file gin/retriever/minilm_exact.gin \
         --gin_bindings 'retrieval.build.corpus_path = "corpus.jsonl"' --gin_bindings 'retrieval.build.index_dir = "idx"'
+    rexrag merge-index --parts idx.part0 idx.part1 --index_dir idx --gin_file gin/retriever/e5_scann.gin
     rexrag serve-retriever --index_dir idx --port 8000
 
 `--corpus` / `--index_dir` are shorthands for those bindings. The resolved config is saved as
@@ -83,6 +84,40 @@ def build_index_main(argv=None) -> int:
     index_dir = build_index(encoder=encoder, progress=not a.quiet, extra_files={"config.gin": config}, **settings)
     m = Index.load(index_dir).manifest
     print(f"index written to {index_dir}: {m['count']} passages x {m['dim']} ({m['searcher']}), encoder {m['encoder']['name']}")
+    return 0
+
+
+def merge_index_main(argv=None) -> int:
+    """Merge part indexes built on separate hosts (docs/retrieval.md). The searcher and ScaNN settings
+    come from `retrieval.build.searcher / exact_max_rows / scann_params` (e.g. gin/retriever/e5_scann.gin);
+    the first part's config.gin is carried over, so serve-retriever encodes queries like the parts did."""
+    from rexrag_jax.retrieval.merge import merge_indexes
+
+    a = _parse(argv, "rexrag merge-index", [
+        (("--parts",), dict(nargs="+", required=True, help="part index directories, in corpus order")),
+        (("--index_dir",), dict(required=True, help="output index directory")),
+        (("--corpus_parts",), dict(nargs="+", default=None,
+                                   help="part corpus files, if they moved since the parts were built")),
+        (("--quiet",), dict(action="store_true"))])
+    gin.parse_config_files_and_bindings(a.gin_file, a.gin_bindings)
+
+    def bound(name, default):
+        try:
+            return gin.query_parameter(f"retrieval.build.{name}")
+        except ValueError:
+            return default
+
+    cfg_path = os.path.join(a.parts[0], "config.gin")
+    extra = {}
+    if os.path.isfile(cfg_path):
+        with open(cfg_path, encoding="utf-8") as f:
+            extra["config.gin"] = f.read()
+    index_dir = merge_indexes(a.parts, a.index_dir, searcher=bound("searcher", "auto"),
+                              exact_max_rows=bound("exact_max_rows", 100_000), scann_params=bound("scann_params", None),
+                              corpus_paths=a.corpus_parts, extra_files=extra, progress=not a.quiet)
+    m = Index.load(index_dir).manifest
+    print(f"merged {len(a.parts)} parts into {index_dir}: {m['count']} passages x {m['dim']} ({m['searcher']}), "
+          f"corpus sha256 {m['corpus']['sha256'][:12]}…")
     return 0
 
 

@@ -132,6 +132,37 @@ def _swap_in(new_dir: str, index_dir: str) -> None:
         os.replace(new_dir, index_dir)
 
 
+def read_manifest(index_dir: str) -> dict:
+    """The manifest of a finished index directory, with its required fields checked."""
+    mpath = os.path.join(index_dir, MANIFEST)
+    if not os.path.isfile(mpath):
+        hint = " (a build was interrupted; rerun build-index to resume)" if os.path.isdir(
+            index_dir.rstrip("/") + ".partial") else ""
+        raise IndexLoadError(f"{index_dir}: not an index directory, {MANIFEST} missing{hint}")
+    m = _read_json(mpath)
+    for field in ("format", "encoder", "dim", "count", "corpus", "searcher"):
+        if field not in m:
+            raise IndexLoadError(f"{mpath}: field {field!r} missing")
+    if m["format"] != FORMAT_VERSION:
+        raise IndexLoadError(f"{mpath}: format {m['format']} not supported (expected {FORMAT_VERSION})")
+    return m
+
+
+def check_index_files(index_dir: str, m: dict) -> DocStore:
+    """Embeddings file size and docstore length against the manifest; returns the opened DocStore."""
+    n, dim = m["count"], m["dim"]
+    emb_path = os.path.join(index_dir, EMB)
+    want = n * dim * 4
+    if not os.path.isfile(emb_path) or os.path.getsize(emb_path) != want:
+        got = os.path.getsize(emb_path) if os.path.isfile(emb_path) else "missing"
+        raise IndexLoadError(f"{emb_path}: expected {want} bytes ({n} x {dim} float32), got {got}")
+    docs = DocStore(index_dir)
+    if len(docs) != n:
+        docs.close()
+        raise IndexLoadError(f"{index_dir}: docstore has {len(docs)} rows, manifest count is {n}")
+    return docs
+
+
 class Index:
     """A loaded index: manifest, searcher over the embeddings, and the passage store."""
 
@@ -146,17 +177,8 @@ class Index:
              searcher: str | None = None) -> "Index":
         """Open and verify an index. `encoder` (if given) must match the recorded name/dim/prefixes;
         `corpus_path` (if given) must hash to the recorded checksum. `searcher="exact"` forces brute force."""
+        m = read_manifest(index_dir)
         mpath = os.path.join(index_dir, MANIFEST)
-        if not os.path.isfile(mpath):
-            hint = " (a build was interrupted; rerun build-index to resume)" if os.path.isdir(
-                index_dir.rstrip("/") + ".partial") else ""
-            raise IndexLoadError(f"{index_dir}: not an index directory, {MANIFEST} missing{hint}")
-        m = _read_json(mpath)
-        for field in ("format", "encoder", "dim", "count", "corpus", "searcher"):
-            if field not in m:
-                raise IndexLoadError(f"{mpath}: field {field!r} missing")
-        if m["format"] != FORMAT_VERSION:
-            raise IndexLoadError(f"{mpath}: format {m['format']} not supported (expected {FORMAT_VERSION})")
         if encoder is not None:
             got = encoder.describe()
             diff = {k: (m["encoder"].get(k), got[k]) for k in got if m["encoder"].get(k) != got[k]}
@@ -170,13 +192,7 @@ class Index:
                                   f"{corpus_path} has sha256 {sha[:12]}…")
         n, dim = m["count"], m["dim"]
         emb_path = os.path.join(index_dir, EMB)
-        want = n * dim * 4
-        if not os.path.isfile(emb_path) or os.path.getsize(emb_path) != want:
-            got = os.path.getsize(emb_path) if os.path.isfile(emb_path) else "missing"
-            raise IndexLoadError(f"{emb_path}: expected {want} bytes ({n} x {dim} float32), got {got}")
-        docs = DocStore(index_dir)
-        if len(docs) != n:
-            raise IndexLoadError(f"{index_dir}: docstore has {len(docs)} rows, manifest count is {n}")
+        docs = check_index_files(index_dir, m)
         kind = searcher or m["searcher"]
         if kind == "scann":
             if m["searcher"] != "scann":

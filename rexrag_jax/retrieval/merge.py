@@ -1,0 +1,156 @@
+"""Merge per-host part indexes into one index (the multi-host wiki-18 build, docs/retrieval.md).
+
+Each host h of H builds an exact index over its line-aligned slice of the corpus (`split -n l/H`), the
+part directories are copied to one host, and `merge_indexes` concatenates them in part order:
+
+    docs.jsonl / doc_offsets.npy   byte-concatenated, offsets shifted by the bytes before each part
+    embeddings.f32                 row-concatenated (streamed in chunks; never all in memory at once)
+    manifest corpus.sha256         sha256 of the part corpus files concatenated in order, which is the
+                                   sha256 of the original corpus when the parts are its `split` output,
+                                   so `Index.load(merged, corpus_path=original)` verifies the merge
+    searcher                       exact or ScaNN, built once over the merged embeddings
+
+Every part must be a finished index with the same encoder record and dimension, and passage ids must
+be unique across parts. The merge writes only under `index_dir.partial/` and swaps the result in by
+rename, so an existing index at `index_dir` survives any failure (a failed merge starts over: it is a
+copy, cheap next to encoding).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from rexrag_jax.retrieval.docstore import DOCS, OFFSETS
+from rexrag_jax.retrieval.index import (EMB, FORMAT_VERSION, MANIFEST, IndexLoadError, _swap_in, _write_json,
+                                        check_index_files, choose_searcher, read_manifest)
+from rexrag_jax.retrieval.searcher import ScannSearcher
+
+
+def _check_parts(part_dirs: list[str]) -> list[dict]:
+    if not part_dirs:
+        raise ValueError("merge_indexes: no part directories given")
+    manifests = []
+    for d in part_dirs:
+        m = read_manifest(d)
+        check_index_files(d, m).close()
+        if manifests:
+            first, mpath = manifests[0], os.path.join(d, MANIFEST)
+            diff = {k: (first["encoder"].get(k), m["encoder"].get(k))
+                    for k in set(first["encoder"]) | set(m["encoder"]) if first["encoder"].get(k) != m["encoder"].get(k)}
+            if diff:
+                raise IndexLoadError(f"{mpath}: encoder differs from {part_dirs[0]}, (first, this) per field: {diff}")
+            if m["dim"] != first["dim"]:
+                raise IndexLoadError(f"{mpath}: dim {m['dim']} differs from {part_dirs[0]} ({first['dim']})")
+        manifests.append(m)
+    return manifests
+
+
+def _corpus_sha(manifests: list[dict], corpus_paths: list[str] | None, progress: bool) -> str:
+    """sha256 of the parts' corpus files concatenated in order; each file must still hash to the
+    checksum its part was built from (a part file edited after its build is refused)."""
+    paths = corpus_paths or [m["corpus"]["path"] for m in manifests]
+    if len(paths) != len(manifests):
+        raise ValueError(f"merge_indexes: {len(paths)} corpus_paths for {len(manifests)} parts")
+    h = hashlib.sha256()
+    for i, (path, m) in enumerate(zip(paths, manifests)):
+        if not os.path.isfile(path):
+            raise IndexLoadError(f"part {i}: corpus file {path} not found (it is hashed to record the merged "
+                                 f"corpus checksum; pass corpus_paths= if the part files moved)")
+        part_h = hashlib.sha256()
+        with open(path, "rb") as f, tqdm(total=os.path.getsize(path), unit="B", unit_scale=True,
+                                         desc=f"hash corpus part {i}", disable=not progress) as bar:
+            while block := f.read(1 << 22):
+                h.update(block)
+                part_h.update(block)
+                bar.update(len(block))
+        if part_h.hexdigest() != m["corpus"]["sha256"]:
+            raise IndexLoadError(f"part {i}: corpus file {path} has sha256 {part_h.hexdigest()[:12]}…, but the "
+                                 f"part was built from sha256 {m['corpus']['sha256'][:12]}…")
+    return h.hexdigest()
+
+
+def _merge_docstores(part_dirs: list[str], work: str, check_duplicate_ids: bool, progress: bool) -> None:
+    offsets, base, seen = [np.zeros(1, np.int64)], 0, set()
+    tmp_docs, tmp_off = os.path.join(work, DOCS + ".tmp"), os.path.join(work, "doc_offsets.tmp.npy")
+    with open(tmp_docs, "wb") as out:
+        for i, d in enumerate(part_dirs):
+            off = np.load(os.path.join(d, OFFSETS))
+            with open(os.path.join(d, DOCS), "rb") as f:
+                if check_duplicate_ids:
+                    for row, line in enumerate(tqdm(f, total=len(off) - 1, desc=f"docstore part {i}",
+                                                    unit="passage", disable=not progress)):
+                        pid = json.loads(line)["id"]
+                        if pid in seen:
+                            raise IndexLoadError(f"{os.path.join(d, DOCS)}: passage id {pid!r} (row {row}) is "
+                                                 f"already in an earlier part; parts must not overlap")
+                        seen.add(pid)
+                    f.seek(0)
+                shutil.copyfileobj(f, out, 1 << 22)
+            offsets.append(off[1:] + base)
+            base += int(off[-1])
+    np.save(tmp_off, np.concatenate(offsets))
+    os.replace(tmp_docs, os.path.join(work, DOCS))
+    os.replace(tmp_off, os.path.join(work, OFFSETS))
+
+
+def merge_indexes(part_dirs: list[str], index_dir: str, *, searcher: str = "auto", exact_max_rows: int = 100_000,
+                  scann_params: dict | None = None, corpus_paths: list[str] | None = None,
+                  check_duplicate_ids: bool = True, chunk_rows: int = 262_144,
+                  extra_files: dict[str, str] | None = None, progress: bool = True) -> str:
+    """Concatenate finished part indexes (in the given order) into one index at `index_dir`; returns it.
+
+    Row r of part p becomes row (rows of parts before p) + r. `corpus_paths` overrides the part corpus
+    files recorded in the part manifests (they are hashed for the merged checksum).
+    """
+    part_dirs = [os.path.abspath(d.rstrip("/")) for d in part_dirs]
+    index_dir = os.path.abspath(index_dir.rstrip("/"))
+    if index_dir in part_dirs:
+        raise ValueError(f"merge_indexes: the output {index_dir} is also a part")
+    manifests = _check_parts(part_dirs)
+    kind = choose_searcher(sum(m["count"] for m in manifests), searcher, exact_max_rows)  # validates `searcher`
+    sha = _corpus_sha(manifests, corpus_paths, progress)
+    work = index_dir + ".partial"
+    if os.path.exists(work):
+        shutil.rmtree(work)
+    os.makedirs(work)
+    _merge_docstores(part_dirs, work, check_duplicate_ids, progress)
+
+    n, dim = sum(m["count"] for m in manifests), manifests[0]["dim"]
+    emb = np.memmap(os.path.join(work, EMB), np.float32, "w+", shape=(n, dim))
+    row = 0
+    with tqdm(total=n, desc="merge embeddings", unit="row", disable=not progress) as bar:
+        for d, m in zip(part_dirs, manifests):
+            src = np.memmap(os.path.join(d, EMB), np.float32, "r", shape=(m["count"], dim))
+            for lo in range(0, m["count"], chunk_rows):
+                hi = min(m["count"], lo + chunk_rows)
+                emb[row + lo: row + hi] = src[lo:hi]
+                bar.update(hi - lo)
+            row += m["count"]
+            del src
+    emb.flush()
+
+    params = None
+    if kind == "scann":
+        t = time.time()
+        s = ScannSearcher.build(np.asarray(emb), **(scann_params or {}))
+        s.save(os.path.join(work, "scann"))
+        params = s.params
+        if progress:
+            print(f"ScaNN searcher built in {time.time() - t:.1f}s: {params}")
+    del emb
+    for name, text in (extra_files or {}).items():
+        with open(os.path.join(work, name), "w", encoding="utf-8") as f:
+            f.write(text)
+    parts = [{"index_dir": d, "count": m["count"], "corpus": m["corpus"]} for d, m in zip(part_dirs, manifests)]
+    _write_json(os.path.join(work, MANIFEST), {
+        "format": FORMAT_VERSION, "encoder": manifests[0]["encoder"], "dim": dim, "count": n,
+        "corpus": {"path": f"concatenation of {len(parts)} part corpus files", "sha256": sha, "parts": parts},
+        "searcher": kind, "scann_params": params, "created_unix": int(time.time())})
+    _swap_in(work, index_dir)
+    return index_dir
