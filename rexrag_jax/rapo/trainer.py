@@ -1,6 +1,6 @@
 """RAPO run type: the project's Trainer with hybrid rollouts and the RAPO update inputs.
 
-One RAPO step s (differences from Trainer.train_step in brackets):
+One RAPO step s = Trainer.train_step with these hooks (differences in brackets):
   1. questions → hybrid rollouts [run_hybrid_rollouts: buffer steps spliced in with p = 0.5; no probes]
   2. rewards R (prepare.score), fit_length
   3. π_old log-probs + entropies (the Trainer's old-policy pass) [entropies feed the retrieval reward]
@@ -18,19 +18,16 @@ import dataclasses
 import os
 import shutil
 import sys
-import time
 
 import gin
 import jax
-import jax.numpy as jnp
 
 from rexrag_jax.rapo.hook import RapoConfig, rapo_update_arrays
 from rexrag_jax.rapo import synthetic  # noqa: F401  registers SyntheticHybridRollout with gin
 from rexrag_jax.rapo.hybrid_rollout import HybridConfig, run_hybrid_rollouts
 from rexrag_jax.rapo.trace_buffer import SEG_RETRIEVED, TraceBuffer, minilm_encode_fn
-from rexrag_jax.train import prepare
 from rexrag_jax.train.rollout_source import SearchRollout
-from rexrag_jax.train.trainer import Trainer, _update_summary, step_seed
+from rexrag_jax.train.trainer import Trainer
 
 
 @gin.configurable
@@ -69,39 +66,21 @@ class RapoTrainer(Trainer):
                 raise ValueError(f"RapoTrainer: the rollout source {type(self.rollout).__name__} has no .{attr}")
         self.buffer_root = os.path.join(self.run_dir, "trace_buffer")
 
-    def train_step(self) -> dict:
-        cfg, s = self.cfg, self.step
-        t0 = time.perf_counter()
-        questions = next(self.data)
-        batch, rstats = self.rollout(self.params, questions, cfg.group_size, step_seed(cfg.seed, s), False)
-        t_rollout = time.perf_counter() - t0
-        rewards, correct = prepare.score(batch, cfg.structure_format_score)
-        batch.rewards = rewards
-        batch, truncated = prepare.fit_length(batch, cfg.length_bucket, cfg.max_seq_len)
-        with self._mesh_ctx():
-            old_logp, entropy = self._rows(self._logprob, self.params, batch.tokens, batch.attention_mask)
-        arrays, rapo_stats = rapo_update_arrays(batch, rewards, old_logp, entropy, self.rapo)
-        t_logprob = time.perf_counter() - t0 - t_rollout
-
-        outs = self._run_updates(arrays, s)
-        t_update = time.perf_counter() - t0 - t_rollout - t_logprob
-
-        added = self.rollout.buffer.add_successful(batch, rewards, self.rollout.tokenizer.decode,
-                                                   self.rapo.success_threshold)
-        self.step += 1
-        metrics = _update_summary(outs)
-        metrics.update(rapo_stats)
+    # Trainer.train_step with the RAPO hooks: no probes (use_probes is False, checked above), no
+    # filtering / behaviour density / reference pass; the trace buffer grows after the update.
+    def _update_inputs(self, batch, rewards, correct, old_logp, entropy) -> tuple[dict, dict]:
+        arrays, metrics = rapo_update_arrays(batch, rewards, old_logp, entropy, self.rapo)
         mask = arrays["loss_mask"]
         metrics.update({"reward/mean": float(rewards.mean()), "em/train": float(correct.mean()),
-                        "entropy": float((entropy * mask).sum() / max(mask.sum(), 1)), "lr": float(jnp.float32(self.opt_cfg.lr_at(s))),
-                        "rapo/buffer_size": len(self.rollout.buffer), "rapo/buffer_added": added,
+                        "entropy": float((entropy * mask).sum() / max(mask.sum(), 1)),
                         "rapo/inserted_tokens": int((batch.segments == SEG_RETRIEVED).sum()),
-                        "truncated_rows": truncated, "batch/trajectories": batch.size, "time/rollout": t_rollout,
-                        "time/logprob": t_logprob, "time/update": t_update, "time/step": time.perf_counter() - t0})
-        for k, v in rstats.items():
-            if isinstance(v, (int, float)):
-                metrics[f"rollout/{k}"] = v
-        return metrics
+                        "batch/trajectories": batch.size})
+        return arrays, metrics
+
+    def _after_update(self, batch, rewards) -> dict:
+        added = self.rollout.buffer.add_successful(batch, rewards, self.rollout.tokenizer.decode,
+                                                   self.rapo.success_threshold)
+        return {"rapo/buffer_size": len(self.rollout.buffer), "rapo/buffer_added": added}
 
     # --- the buffer travels with the checkpoints -----------------------------------------------------
     def save(self) -> None:
@@ -126,19 +105,12 @@ class RapoTrainer(Trainer):
 
 
 def main(argv=None) -> int:
-    """`rexrag train` with RapoTrainer in place of Trainer (use with gin/rapo.gin).
-
-    train.main builds `Trainer(run_dir)` by name, imported from train.trainer when called; until it
-    takes the trainer class from gin, this entry point swaps that name for the duration of the run.
-    """
-    import rexrag_jax.train.trainer as trainer_mod
+    """`rexrag train` with `run_type.trainer = @RapoTrainer` (gin/rapo.gin binds it too, so
+    `rexrag train --gin_file gin/rapo.gin ...` is the same run)."""
     from rexrag_jax.train import main as train_main
 
-    saved, trainer_mod.Trainer = trainer_mod.Trainer, RapoTrainer
-    try:
-        return train_main.main(argv)
-    finally:
-        trainer_mod.Trainer = saved
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return train_main.main(argv + ["--gin_bindings", "run_type.trainer = @RapoTrainer"])
 
 
 if __name__ == "__main__":

@@ -65,6 +65,14 @@ def parse_gin(gin_files, gin_bindings) -> None:
     gin.parse_config_files_and_bindings(files, gin_bindings, finalize_config=False)
 
 
+@gin.configurable
+def run_type(trainer=None):
+    """The trainer class of the run type: `run_type.trainer = @RapoTrainer` in gin/rapo.gin; default Trainer."""
+    if trainer is None:
+        from rexrag_jax.train.trainer import Trainer as trainer
+    return trainer
+
+
 def unset_required_macros() -> list[str]:
     """Macros still bound to %gin.REQUIRED after parsing (gin does not enforce REQUIRED macros itself)."""
     return sorted(m.group(1) for m in re.finditer(r"^([A-Z][A-Z0-9_]*) = %gin\.REQUIRED\s*$", gin.config_str(), re.M))
@@ -88,10 +96,8 @@ def main(argv=None) -> int:
         print(f"rexrag train: required gin macro(s) not set: {', '.join(missing)}; set them in a gin file or "
               f"with --gin_bindings 'NAME = value' (see the header of {args.gin_file[0]})", file=sys.stderr)
         return 2
-    from rexrag_jax.train.trainer import Trainer
-
     write_text_atomic(os.path.join(args.run_dir, "config.gin"), gin.config_str())
-    trainer = Trainer(args.run_dir)
+    trainer = run_type()(args.run_dir)
     operative = gin.operative_config_str()
     write_text_atomic(os.path.join(args.run_dir, "operative_config.gin"), operative)
     return trainer.run(config_text=operative)

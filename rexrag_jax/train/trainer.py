@@ -265,12 +265,15 @@ class Trainer:
             return jax.device_get(outs)
 
     def train_step(self) -> dict:
+        """One RL step: rollouts → rewards → π_old pass → update inputs → mini-batch updates.
+
+        Run types change only the hooks: `_rollout_batch`, `_update_inputs` (the arrays the jitted update
+        consumes, plus batch metrics) and `_after_update`; the timing, update loop and common metrics
+        stay here.
+        """
         cfg, s = self.cfg, self.step
         t0 = time.perf_counter()
-        questions = next(self.data)
-        batch, rstats = self.rollout(self.params, questions, cfg.group_size, step_seed(cfg.seed, s), cfg.use_probes)
-        if not cfg.use_probes and batch.is_probe.any():
-            batch = batch.select(~batch.is_probe)
+        batch, rstats = self._rollout_batch(next(self.data), s)
         t_rollout = time.perf_counter() - t0
 
         rewards, correct = prepare.score(batch, cfg.structure_format_score)
@@ -278,6 +281,38 @@ class Trainer:
         batch, truncated = prepare.fit_length(batch, cfg.length_bucket, cfg.max_seq_len)
         with self._mesh_ctx():
             old_logp, entropy = self._rows(self._logprob, self.params, batch.tokens, batch.attention_mask)
+        arrays, batch_metrics = self._update_inputs(batch, rewards, correct, old_logp, entropy)
+        t_logprob = time.perf_counter() - t0 - t_rollout
+
+        update_metrics = self._run_updates(arrays, s)
+        t_update = time.perf_counter() - t0 - t_rollout - t_logprob
+        batch_metrics.update(self._after_update(batch, rewards))
+        self.step += 1
+        t_step = time.perf_counter() - t0
+        metrics = _update_summary(update_metrics)
+        metrics.update(batch_metrics)
+        update_tokens = float(arrays["attention_mask"].sum())
+        metrics.update({"lr": float(jnp.float32(self.opt_cfg.lr_at(s))), "truncated_rows": truncated,
+                        "time/rollout": t_rollout, "time/logprob": t_logprob, "time/update": t_update,
+                        "time/step": t_step, "tokens_per_s": update_tokens / max(t_step, 1e-9),
+                        "update_tokens_per_s": update_tokens * cfg.ppo_epochs / max(t_update, 1e-9)})
+        for k, v in rstats.items():
+            if isinstance(v, (int, float)):
+                metrics[f"rollout/{k}"] = v
+        return metrics
+
+    def _rollout_batch(self, questions, s: int):
+        """(TrajectoryBatch, rollout stats) for step s; probes only when use_probes."""
+        cfg = self.cfg
+        batch, rstats = self.rollout(self.params, questions, cfg.group_size, step_seed(cfg.seed, s), cfg.use_probes)
+        if not cfg.use_probes and batch.is_probe.any():
+            batch = batch.select(~batch.is_probe)
+        return batch, rstats
+
+    def _update_inputs(self, batch, rewards, correct, old_logp, entropy) -> tuple[dict, dict]:
+        """REX-RAG: filter probes, GRPO advantages, behaviour density μ, reference log-probs (β > 0).
+        Returns (host arrays for the update, batch metrics); also advances the probe keep ratio."""
+        cfg = self.cfg
         keep, kept_probes = prepare.filter_probes(batch, old_logp, self.keep_ratio, cfg.num_questions,
                                                   cfg.group_size, self.dp_size)
         kb = batch.select(keep)
@@ -291,30 +326,20 @@ class Trainer:
         pool_logp = self.pool.logprob_matrix(kb.tokens, kb.is_probe, kb.probe_start, kb.probe_len)
         behaviour = np.asarray(behaviour_logprobs(old_k, kb.loss_mask, kb.is_probe, kb.probe_start, kb.probe_len,
                                                   pool_logp, alpha, err))
-        t_logprob = time.perf_counter() - t0 - t_rollout
-
         arrays = {"tokens": kb.tokens, "attention_mask": kb.attention_mask, "loss_mask": kb.loss_mask,
                   "behaviour_logp": behaviour.astype(np.float32), "advantages": adv.astype(np.float32),
                   "is_probe": kb.is_probe}
         if ref_logp is not None:
             arrays["ref_logp"] = ref_logp.astype(np.float32)
-        update_metrics = self._run_updates(arrays, s)
-        t_update = time.perf_counter() - t0 - t_rollout - t_logprob
-
+        # the next step's ratio; this step's filter already used the current one
         self.keep_ratio = prepare.next_keep_ratio(self.keep_ratio, rewards[kept_probes], cfg.keep_ratio_decay)
-        self.step += 1
-        t_step = time.perf_counter() - t0
-        metrics = _update_summary(update_metrics)
-        metrics.update(self._batch_metrics(batch, kb, rewards, correct, rew_k, ent_k, kept_probes, alpha, err))
-        metrics.update({"lr": float(jnp.float32(self.opt_cfg.lr_at(s))), "keep_ratio": self.keep_ratio, "truncated_rows": truncated,
-                        "probes/created": int(batch.is_probe.sum()), "time/rollout": t_rollout,
-                        "time/logprob": t_logprob, "time/update": t_update, "time/step": t_step,
-                        "tokens_per_s": float(kb.attention_mask.sum()) / max(t_step, 1e-9),
-                        "update_tokens_per_s": float(kb.attention_mask.sum()) * cfg.ppo_epochs / max(t_update, 1e-9)})
-        for k, v in rstats.items():
-            if isinstance(v, (int, float)):
-                metrics[f"rollout/{k}"] = v
-        return metrics
+        metrics = self._batch_metrics(batch, kb, rewards, correct, rew_k, ent_k, kept_probes, alpha, err)
+        metrics.update({"keep_ratio": self.keep_ratio, "probes/created": int(batch.is_probe.sum())})
+        return arrays, metrics
+
+    def _after_update(self, batch, rewards) -> dict:
+        """Hook after the parameter updates of a step (RAPO fills its trace buffer here); metrics."""
+        return {}
 
     def _batch_metrics(self, batch, kb, rewards, correct, rew_k, ent_k, kept_probes, alpha, err) -> dict:
         orig = ~batch.is_probe

@@ -87,12 +87,12 @@ def test_gin_rapo_binds_hyperparameters():
 
 
 def test_rapo_entry_point_runs_tiny_gin(tmp_path):
-    """python -m rexrag_jax.rapo.trainer with rapo.gin + the tiny run's bindings (tiny.gin minus its
-    `include 'rexrag.gin'`, which would reset the RAPO hyperparameters): RapoTrainer runs, Trainer is restored."""
+    """`rexrag train` with rapo.gin + the tiny run's bindings (tiny.gin minus its `include 'rexrag.gin'`,
+    which would reset the RAPO hyperparameters): rapo.gin's `run_type.trainer` makes it a RapoTrainer run."""
     import pathlib
     import gin
     import rexrag_jax.train.trainer as trainer_mod
-    from rexrag_jax.rapo.trainer import main
+    from rexrag_jax.train.main import main
     tiny = pathlib.Path(__file__).resolve().parents[2] / "gin" / "tiny.gin"
     tiny_bindings = [line for line in tiny.read_text().splitlines()
                      if line.strip() and not line.lstrip().startswith(("#", "include"))]
@@ -105,10 +105,11 @@ def test_rapo_entry_point_runs_tiny_gin(tmp_path):
                    "--gin_bindings", "TOTAL_STEPS = 2", "--gin_bindings", "TrainConfig.checkpoint_every = 2"])
     finally:
         gin.clear_config()
-    assert rc == 0 and trainer_mod.Trainer.__name__ == "Trainer"
+    assert rc == 0 and trainer_mod.Trainer.__name__ == "Trainer"  # nothing patched
     rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all("rapo/retrieval_reward_mean" in r for r in rows)
     assert rows[0]["rapo/inserted_tokens"] > 0
     assert (tmp_path / "trace_buffer" / "2" / "entries.json").exists()
     operative = (tmp_path / "operative_config.gin").read_text()
     assert "RAPO_CLIP_EPS = 0.28" in operative and "RapoTrainer.rapo = @RapoConfig()" in operative
+    assert "run_type.trainer = @RapoTrainer" in operative
