@@ -48,6 +48,8 @@ def recall_at(found, truth, k=10):
 #           queries; faiss then scores with one BLAS GEMM, which is its fastest path);
 #  single:  one call per query (the ann-benchmarks protocol; an online server answering one question).
 SINGLE_QUERIES = 100
+TRAIN_SAMPLE = 100_000  # --train_sample
+NUM_LEAVES = None       # --num_leaves (1M sets; default ~sqrt(n))
 
 
 def faiss_flat(db, q, k):
@@ -95,7 +97,7 @@ def scann_sweep(name, db, q, truth, k=10, num_leaves=None):
     rows = []
     t = time.perf_counter()
     # 100k training sample (default rule: 250k) keeps the 1M builds to minutes on a shared 2-core box.
-    s = ScannSearcher.build(db, training_sample_size=min(len(db), 100_000),
+    s = ScannSearcher.build(db, training_sample_size=min(len(db), TRAIN_SAMPLE),
                             **({"num_leaves": num_leaves} if num_leaves else {}))
     s.set_num_threads(1)
     build_s = time.perf_counter() - t
@@ -111,7 +113,7 @@ def scann_sweep(name, db, q, truth, k=10, num_leaves=None):
     print(f"  ScaNN tree build {build_s:.1f}s, {s.params['num_leaves']} leaves, AH dims/block 2, threshold 0.2")
     del s
     t = time.perf_counter()
-    s = ScannSearcher.build(db, num_leaves=0, training_sample_size=min(len(db), 100_000))
+    s = ScannSearcher.build(db, num_leaves=0, training_sample_size=min(len(db), TRAIN_SAMPLE))
     s.set_num_threads(1)
     print(f"  ScaNN no-tree (AH over every point) build {time.perf_counter() - t:.1f}s")
     for reorder in NO_TREE_SWEEP:
@@ -130,6 +132,7 @@ def best_at(rows, key, base):
 
 
 def report_ann(name, db, q, k=10, num_leaves=None):
+    num_leaves = num_leaves or (NUM_LEAVES if len(db) >= 100_000 else None)
     print(f"\n[{name}] db {db.shape}, {len(q)} queries, top-{k}, 1 search thread each; "
           f"load average {os.getloadavg()[0]:.1f}")
     truth, faiss_qps, faiss_single = faiss_flat(db, q, k)
@@ -338,6 +341,7 @@ def section_load(args):
 
 
 def main(argv=None):
+    global NUM_LEAVES, TRAIN_SAMPLE
     p = argparse.ArgumentParser()
     p.add_argument("--sections", default="ann,real,quality,load")
     p.add_argument("--n", type=int, default=1_000_000, help="synthetic database size")
@@ -346,7 +350,10 @@ def main(argv=None):
     p.add_argument("--requests", type=int, default=50)
     p.add_argument("--cache_dir", default=os.path.join(tempfile.gettempdir(), "rexrag_retrieval_bench"))
     p.add_argument("--json_out", default=None)
+    p.add_argument("--num_leaves", type=int, default=None, help="ScaNN tree leaves for the 1M sets (default ~sqrt(n))")
+    p.add_argument("--train_sample", type=int, default=TRAIN_SAMPLE, help="ScaNN training sample (tree and AH)")
     args = p.parse_args(argv)
+    NUM_LEAVES, TRAIN_SAMPLE = args.num_leaves, args.train_sample
     results = {}
     for s in args.sections.split(","):
         results[s] = {"ann": section_ann, "ann_cov": section_ann_cov, "real": section_real, "quality": section_quality, "load": section_load}[s](args)
