@@ -8,8 +8,7 @@ Everything is bytes per device, from shapes alone (nothing is allocated):
   parameters        Σ_leaf shard(leaf) · bytes(param_dtype); shard() divides each dim by the mesh axes
                     the sharding rules give it (rexrag_jax.sharding.rules.spec_for_shape, the same
                     function the trainer uses, so non-divisible dims stay replicated here too)
-  AdamW moments     2 · shard(params) · 4                        (m and v in float32)
-  master copy       shard(params) · 4, only when param_dtype is not float32
+  AdamW moments     2 · shard(params) · bytes(param_dtype)   (optax keeps m and v in the params' dtype)
   reference policy  shard(params) · bytes(param_dtype), when the KL term is on (kl_coef > 0)
   gradients         shard(params) · bytes(param_dtype)  (one micro-batch's gradient)
                     + shard(params) · 4 when accumulating over > 1 micro-batch (float32 accumulator)
@@ -20,10 +19,16 @@ Everything is bytes per device, from shapes alone (nothing is allocated):
   decode logits     (rollout) ceil(B / (data·fsdp)) · V / tensor · 4
 
 Two phases share the device (colocated rollout and training, weights and optimizer state stay resident):
-  train peak   = params + moments + master + reference + gradients + activations(remat as configured)
-  rollout peak = params + moments + master + reference + KV cache + decode logits
+  train peak   = params + moments + reference + gradients + activations(remat as configured)
+  rollout peak = params + moments + reference + KV cache + decode logits
 and the plan fits when max(train peak, rollout peak) <= HBM per device. XLA's own temporaries,
 fragmentation and the compiled programs are not counted: keep some headroom (the table flags > 90%).
+
+There is no separate float32 master copy: the params are the master weights. param_dtype="float32" with
+dtype="bfloat16" is the mixed-precision setup (the model casts weights to bf16 where it uses them);
+param_dtype="bfloat16" halves params, moments and gradients but updates bf16 weights directly, so steps
+below bf16's resolution (~0.4% of a weight; RL learning rates of 1e-6 are far below it) round away. The
+plan prints a warning for it.
 
 gin: model gin files set `MODEL_PRESET = "qwen2.5-3b"`; run-type gin files set `MAX_SEQ_LEN`,
 `ROLLOUT_BATCH` (trajectories per rollout step), `MINI_BATCH`, `MICRO_BATCH` (global counts). Files are
@@ -226,8 +231,7 @@ def make_plan(inp: PlanInputs) -> MemoryPlan:
            for remat in (False, True)}
     c = {
         "parameters": shard * pb,
-        "adamw_moments": 2 * shard * 4,
-        "master_copy": shard * 4 if cfg.param_dtype != "float32" else 0,
+        "adamw_moments": 2 * shard * pb,
         "reference_policy": shard * pb if inp.reference_model else 0,
         "gradients": shard * pb,
         "grad_accumulator": shard * 4 if inp.mini_batch > inp.micro_batch else 0,
@@ -236,7 +240,7 @@ def make_plan(inp: PlanInputs) -> MemoryPlan:
         "kv_cache": kv_cache_bytes(cfg, inp.rollout_batch, inp.max_seq_len, mesh),
         "decode_logits": -(-inp.rollout_batch // batch_ways) * _split(cfg.vocab_size, mesh["tensor"]) * 4,
     }
-    resident = c["parameters"] + c["adamw_moments"] + c["master_copy"] + c["reference_policy"]
+    resident = c["parameters"] + c["adamw_moments"] + c["reference_policy"]
     train = resident + c["gradients"] + c["grad_accumulator"] + act[cfg.remat]
     rollout = resident + c["kv_cache"] + c["decode_logits"]
     return MemoryPlan(inp, param_count(cfg), devices, int(hbm_gib * GiB), rows, c, train, rollout)
@@ -275,8 +279,7 @@ def format_plan(plan: MemoryPlan) -> str:
     used = "remat" if cfg.remat else "no remat"
     rows = [
         ("parameters", f"{pdt}", c["parameters"]),
-        ("AdamW moments", "2 x float32", c["adamw_moments"]),
-        ("master copy", "float32" if c["master_copy"] else "(params are float32)", c["master_copy"]),
+        ("AdamW moments", f"2 x {pdt}", c["adamw_moments"]),
         ("reference policy", "KL term" if c["reference_policy"] else "(no KL term)", c["reference_policy"]),
         ("gradients", f"{pdt}, one micro-batch", c["gradients"]),
         ("grad accumulator", "float32" if c["grad_accumulator"] else "(no accumulation)", c["grad_accumulator"]),
@@ -312,6 +315,10 @@ def format_plan(plan: MemoryPlan) -> str:
                      "generate in chunks of that many rows or add devices")
     if plan.train_peak > plan.hbm_bytes and not cfg.remat:
         lines.append("  training: try remat (model_config.remat = True) or a smaller MICRO_BATCH")
+    if cfg.param_dtype != "float32":
+        lines.append(f"  warning: param_dtype={cfg.param_dtype} updates the weights in {cfg.param_dtype} (no float32 "
+                     "master copy): steps below ~0.4% of a weight round away, which at RL learning rates "
+                     "(1e-6) is most of them; use param_dtype float32 with dtype bfloat16")
     return "\n".join(lines)
 
 

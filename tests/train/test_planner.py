@@ -58,16 +58,17 @@ def test_qwen25_3b_bytes_per_device_fsdp8():
                                 mini_batch=256, micro_batch=8))
     c = plan.components
     assert c["parameters"] == 2 * per_device == 771_907_584
-    assert c["adamw_moments"] == 8 * per_device and c["master_copy"] == 4 * per_device
+    assert c["adamw_moments"] == 4 * per_device and "master_copy" not in c  # m, v in bf16 like the params
     assert c["reference_policy"] == 2 * per_device and c["gradients"] == 2 * per_device
     assert c["grad_accumulator"] == 4 * per_device
     # KV cache: 2560 rows / 8 = 320 per device, 36 layers, k+v, 2 kv heads x 128, float32 compute dtype.
     assert c["kv_cache"] == 320 * 4096 * 36 * 2 * 2 * 128 * 4
     assert c["decode_logits"] == 320 * 151936 * 4
-    assert plan.rollout_peak == 2 * per_device + 8 * per_device + 4 * per_device + 2 * per_device \
+    assert plan.rollout_peak == 2 * per_device + 4 * per_device + 2 * per_device \
         + c["kv_cache"] + c["decode_logits"]
     assert plan.devices == 8 and plan.hbm_bytes == 16 * GiB and not plan.fits
-    assert planner.max_rollout_rows(plan) == 288  # (16 GiB - resident) // (8 rows' KV + logits) * 8
+    # (16 GiB - resident 8 x per_device) // (one row per device: KV 301,989,888 + logits 607,744) = 46, x 8
+    assert planner.max_rollout_rows(plan) == (16 * GiB - 8 * per_device) // (301_989_888 + 607_744) * 8 == 368
 
 
 def test_tensor_parallel_splits_heads_and_replicates_non_divisible():
@@ -78,6 +79,21 @@ def test_tensor_parallel_splits_heads_and_replicates_non_divisible():
     expect = (V // 4 * D + L * (2 * D + D * H // 4 * Hd + H // 4 * Hd + 2 * (D * KV * Hd + KV * Hd)
                                 + H // 4 * Hd * D + 3 * D * F // 4) + D)
     assert param_shard_elements(cfg, mesh) == expect
+
+
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_adamw_moments_match_the_real_optimizer_state(param_dtype):
+    import jax
+    from rexrag_jax.models.qwen2.model import init_params
+    from rexrag_jax.train.optim import OptimizerConfig
+
+    cfg = Qwen2Config.from_preset("tiny", param_dtype=param_dtype)
+    state = OptimizerConfig().make().init(init_params(cfg, jax.random.PRNGKey(0)))
+    moment_bytes = sum(x.nbytes for x in jax.tree.leaves(state) if getattr(x, "ndim", 0) > 0)
+    plan = make_plan(PlanInputs(cfg, "tiny", parse_mesh("data=4"), "v4-8", max_seq_len=64, rollout_batch=4,
+                                mini_batch=4, micro_batch=4))
+    assert plan.components["adamw_moments"] == moment_bytes
+    assert ("warning: param_dtype" in planner.format_plan(plan)) == (param_dtype != "float32")
 
 
 def test_kv_cache_matches_real_cache_arrays():
@@ -168,7 +184,7 @@ def test_plan_from_gin(gin_files):
     assert plan.rows_per_device == 1
     shard = param_shard_elements(inp.cfg, inp.mesh)
     act = activation_bytes(inp.cfg, 1, 256, remat=True)
-    assert plan.train_peak == shard * (2 + 8 + 4 + 2 + 2 + 4) + act
+    assert plan.train_peak == shard * (2 + 4 + 2 + 2 + 4) + act  # params, m+v, reference, grads, f32 accumulator
     assert plan.fits
 
 
@@ -180,7 +196,7 @@ def test_cli_flags_override_gin(gin_files, capsys):
     assert rc == 0
     assert "memory plan: tiny on v4-8 (4 devices, 32 GiB HBM each; mesh data=1 fsdp=4 tensor=1)" in out
     assert "MAX_SEQ_LEN=128 ROLLOUT_BATCH=64 MINI_BATCH=32 MICRO_BATCH=16 (4 per device, 2 accumulation" in out
-    assert "remat=off" in out and "(params are float32)" in out and "(no KL term)" in out
+    assert "remat=off" in out and "2 x float32" in out and "warning: param_dtype" not in out and "(no KL term)" in out
     assert "verdict: fits on v4-8" in out
 
 
