@@ -410,40 +410,25 @@ def print_summary(summary: dict) -> None:
 
 # --- evaluation of an exported policy on any QA files -------------------------------------------------------
 def eval_main(argv) -> int:
-    """`rexrag demo eval`: the 7-source EM table of an exported demo policy on QA files."""
-    from rexrag_jax.data.readers import list_qa_files, read_qa_file
-    from rexrag_jax.evaluation import evaluate, format_table
+    """`rexrag demo eval`: `rexrag eval --data ... --checkpoint MODEL` with the demo's search settings
+    (top-k and turns as in training, DemoConfig) as defaults; prints the 7-source EM table."""
+    from rexrag_jax.evaluation import main as eval_cli
 
-    p = argparse.ArgumentParser(prog="rexrag demo eval", description=eval_main.__doc__)
+    p = argparse.ArgumentParser(prog="rexrag demo eval", description=eval_main.__doc__,
+                                epilog="every other `rexrag eval` flag (--out, --limit, --corpus, --index_dir, "
+                                       "--retriever_url, --max_new_tokens, ...) is passed through")
     p.add_argument("--model", required=True, help="HF-format policy dir (RUN/final_model or RUN/warmstart_model)")
-    p.add_argument("--corpus", help="Search-R1 corpus jsonl for the in-process MiniLM retriever")
-    p.add_argument("--index_dir", help="where the --corpus index is cached (default: one dir per corpus under ~/.cache/rexrag_jax/eval_index)")
-    p.add_argument("--retriever_url", help="Search-R1 POST /retrieve server instead of --corpus")
     p.add_argument("--data", nargs="+", required=True, help="benchmark files or directories")
-    p.add_argument("--limit", type=int, help="first N questions of each file")
-    p.add_argument("--batch_size", type=int, default=32)
-    p.add_argument("--max_new_tokens", type=int, default=500)
-    p.add_argument("--max_context", type=int, default=4096)
     p.add_argument("--topk", type=int, default=DemoConfig().topk,
                    help="passages per search (default: the demo's training value, DemoConfig.topk)")
     p.add_argument("--max_turns", type=int, default=DemoConfig().max_turns)
-    p.add_argument("--out", help="scored trajectories (jsonl)")
-    args = p.parse_args(argv)
-    if not (args.corpus or args.retriever_url):
-        p.error("one of --corpus or --retriever_url is required")
-    examples = []
-    for f in list_qa_files(args.data):
-        rows = read_qa_file(f)
-        examples.extend(rows[:args.limit] if args.limit else rows)
-    from rexrag_jax.rollout import make_eval_generate_fn
-
-    gen = make_eval_generate_fn(args.model, retriever_url=args.retriever_url, corpus=args.corpus,
-                                index_dir=args.index_dir, topk=args.topk, max_turns=args.max_turns,
-                                batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                                max_context=args.max_context)
-    _, summary = evaluate(examples, gen, batch_size=args.batch_size, out_path=args.out)
-    print(format_table(summary))
-    return 0
+    p.add_argument("--batch_size", type=int, default=32)
+    args, rest = p.parse_known_args(argv)
+    if not any(a.split("=")[0] in ("--corpus", "--retriever_url", "--retriever-url", "--index_dir", "--index-dir")
+               for a in rest):
+        p.error("one of --corpus, --index_dir or --retriever_url is required")
+    return eval_cli.main(["--data", *args.data, "--checkpoint", args.model, "--topk", str(args.topk),
+                          "--max-turns", str(args.max_turns), "--batch-size", str(args.batch_size), *rest])
 
 
 # --- CLI ------------------------------------------------------------------------------------------------------

@@ -55,24 +55,29 @@ def test_quick_demo_runs_end_to_end(quick_run, capsys):
     assert hist[-1]["loss"] < hist[0]["loss"]
 
 
-def test_exported_policy_evaluates_on_other_data(quick_run, tmp_path):
-    """`rexrag demo eval` path: load the export, retrieve over a corpus, greedy rollouts, EM table."""
+def test_exported_policy_evaluates_on_other_data(quick_run, tmp_path, capsys):
+    """`rexrag demo eval` (an alias of `rexrag eval` with the demo's search defaults): load the export,
+    retrieve over a corpus, greedy rollouts, EM table, scored trajectories."""
     _, run_dir = quick_run
     world_dir = os.path.join(run_dir, "world")
-    from rexrag_jax.rollout import make_eval_generate_fn
-
     cfg = demo.DemoConfig()
-    gen = make_eval_generate_fn(os.path.join(run_dir, "final_model"), corpus=os.path.join(world_dir, "corpus.jsonl"),
-                                index_dir=str(tmp_path / "index"), batch_size=4, max_new_tokens=cfg.max_new_tokens,
-                                max_context=cfg.max_context, topk=cfg.topk, max_turns=cfg.max_turns, progress=False)
-    from rexrag_jax.data.readers import read_qa_file
-    examples = read_qa_file(os.path.join(world_dir, "test.jsonl"))[:4]
-    responses = gen(examples)
-    assert len(responses) == 4 and all(isinstance(r, str) and r for r in responses)
+    test_file = tmp_path / "test4.jsonl"
+    test_file.write_text("".join(open(os.path.join(world_dir, "test.jsonl")).readlines()[:4]))
+    out = tmp_path / "scored.jsonl"
+    rc = demo.eval_main(["--model", os.path.join(run_dir, "final_model"), "--data", str(test_file),
+                         "--corpus", os.path.join(world_dir, "corpus.jsonl"), "--index_dir", str(tmp_path / "index"),
+                         "--batch_size", "4", "--max_new_tokens", str(cfg.max_new_tokens),
+                         "--max_context", str(cfg.max_context), "--out", str(out), "--no-progress"])
+    assert rc == 0
+    assert "synth_" in capsys.readouterr().out  # the per-source EM table
+    rows = [json.loads(line) for line in open(out)]
+    assert len(rows) == 4 and all(isinstance(r["response"], str) and r["response"] for r in rows)
     # greedy + probe-free: the same policy gives the same responses as the demo's own evaluation
     dumped = {json.loads(line)["id"]: json.loads(line)["response"]
               for line in open(os.path.join(run_dir, "eval_rl.jsonl"))}
-    assert responses == [dumped[e.id] for e in examples]
+    assert [r["response"] for r in rows] == [dumped[r["id"]] for r in rows]
+    with pytest.raises(SystemExit):  # no retriever given
+        demo.eval_main(["--model", os.path.join(run_dir, "final_model"), "--data", str(test_file)])
 
 
 def test_load_warm_start_rebuilds_the_runs_warm_start(quick_run):
