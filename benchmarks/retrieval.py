@@ -50,6 +50,7 @@ def recall_at(found, truth, k=10):
 SINGLE_QUERIES = 100
 TRAIN_SAMPLE = 100_000  # --train_sample
 NUM_LEAVES = None       # --num_leaves (1M sets; default ~sqrt(n))
+TREE_OPTIONS: dict = {}  # --spherical, --soar_lambda
 
 
 def faiss_flat(db, q, k):
@@ -97,7 +98,7 @@ def scann_sweep(name, db, q, truth, k=10, num_leaves=None):
     rows = []
     t = time.perf_counter()
     # 100k training sample (default rule: 250k) keeps the 1M builds to minutes on a shared 2-core box.
-    s = ScannSearcher.build(db, training_sample_size=min(len(db), TRAIN_SAMPLE),
+    s = ScannSearcher.build(db, training_sample_size=min(len(db), TRAIN_SAMPLE), **TREE_OPTIONS,
                             **({"num_leaves": num_leaves} if num_leaves else {}))
     s.set_num_threads(1)
     build_s = time.perf_counter() - t
@@ -110,7 +111,8 @@ def scann_sweep(name, db, q, truth, k=10, num_leaves=None):
         s.params.update(num_leaves_to_search=leaves, reorder_k=reorder)
         rows.append({"tree": f"{leaves}/{s.params['num_leaves']}", "reorder_k": reorder,
                      **time_searcher(s, q, truth, k)})
-    print(f"  ScaNN tree build {build_s:.1f}s, {s.params['num_leaves']} leaves, AH dims/block 2, threshold 0.2")
+    print(f"  ScaNN tree build {build_s:.1f}s, {s.params['num_leaves']} leaves, AH dims/block 2, threshold 0.2, "
+          f"spherical {s.params['spherical']}, SOAR lambda {s.params['soar_lambda']}")
     del s
     t = time.perf_counter()
     s = ScannSearcher.build(db, num_leaves=0, training_sample_size=min(len(db), TRAIN_SAMPLE))
@@ -352,8 +354,11 @@ def main(argv=None):
     p.add_argument("--json_out", default=None)
     p.add_argument("--num_leaves", type=int, default=None, help="ScaNN tree leaves for the 1M sets (default ~sqrt(n))")
     p.add_argument("--train_sample", type=int, default=TRAIN_SAMPLE, help="ScaNN training sample (tree and AH)")
+    p.add_argument("--spherical", action="store_true", help="spherical k-means tree")
+    p.add_argument("--soar_lambda", type=float, default=None, help="SOAR spilling (e.g. 1.5)")
     args = p.parse_args(argv)
     NUM_LEAVES, TRAIN_SAMPLE = args.num_leaves, args.train_sample
+    TREE_OPTIONS.update(spherical=args.spherical, soar_lambda=args.soar_lambda)
     results = {}
     for s in args.sections.split(","):
         results[s] = {"ann": section_ann, "ann_cov": section_ann_cov, "real": section_real, "quality": section_quality, "load": section_load}[s](args)
