@@ -107,6 +107,40 @@ def qa_examples(files: Sequence[str] = (), synthetic: int = 0, data_source: str 
     return []
 
 
+# The per-step RL math (advantages, behaviour density, α/err) is jitted with the kept rows padded to a
+# multiple of ROW_BUCKET: N varies every step (kept probes), and eagerly each new N recompiled every
+# primitive (~2 s per RL step in the CPU demo, measured). Padded rows are neutral: singleton groups
+# (A = 0) and loss-masked, non-probe rows; they are sliced off before use.
+ROW_BUCKET = 16
+_group_advantages = jax.jit(group_advantages)
+_behaviour_logprobs = jax.jit(behaviour_logprobs)
+_batch_alpha_err = jax.jit(batch_alpha_err)
+
+
+def _pad_rows(x: np.ndarray, n_pad: int, fill=0) -> np.ndarray:
+    x = np.asarray(x)
+    return np.concatenate([x, np.full((n_pad,) + x.shape[1:], fill, x.dtype)]) if n_pad else x
+
+
+def rl_update_math(rewards, correct, group_ids, old_logp, loss_mask, is_probe, probe_start, probe_len, pool_logp):
+    """(advantages [N], behaviour log-probs [N, T], α, err) of the kept rows, as float32 numpy.
+
+    The formulas live in rexrag_jax.rl (group_advantages, behaviour_logprobs, batch_alpha_err); this only
+    pads N to a multiple of ROW_BUCKET so their jitted versions compile for few shapes.
+    """
+    n = len(rewards)
+    pad = -(-n // ROW_BUCKET) * ROW_BUCKET - n
+    gid = np.asarray(group_ids)
+    pad_gid = (gid.max() + 1 if n else 0) + np.arange(pad, dtype=gid.dtype)  # each padded row its own group
+    adv = np.asarray(_group_advantages(_pad_rows(np.asarray(rewards, np.float32), pad),
+                                       np.concatenate([gid, pad_gid])))[:n]
+    alpha, err = _batch_alpha_err(np.asarray(is_probe, bool), np.asarray(correct, np.float32))  # exact N: counts
+    behaviour = np.asarray(_behaviour_logprobs(
+        _pad_rows(old_logp, pad), _pad_rows(loss_mask, pad, False), _pad_rows(is_probe, pad, False),
+        _pad_rows(probe_start, pad), _pad_rows(probe_len, pad), _pad_rows(pool_logp, pad), alpha, err))[:n]
+    return adv.astype(np.float32), behaviour.astype(np.float32), float(alpha), float(err)
+
+
 def step_seed(seed: int, step: int) -> int:
     """A 31-bit seed for step `step` of run `seed` (independent streams per step)."""
     return int(np.random.SeedSequence([int(seed), int(step)]).generate_state(1)[0] & 0x7FFFFFFF)
@@ -321,14 +355,11 @@ class Trainer:
         if self.ref_params is not None:
             with self._mesh_ctx():
                 ref_logp = self._rows(self._ref_logprob, self.ref_params, kb.tokens, kb.attention_mask)[0]
-        adv = np.asarray(group_advantages(rew_k, kb.group_ids))
-        alpha, err = batch_alpha_err(kb.is_probe, cor_k)
         pool_logp = self.pool.logprob_matrix(kb.tokens, kb.is_probe, kb.probe_start, kb.probe_len)
-        behaviour = np.asarray(behaviour_logprobs(old_k, kb.loss_mask, kb.is_probe, kb.probe_start, kb.probe_len,
-                                                  pool_logp, alpha, err))
+        adv, behaviour, alpha, err = rl_update_math(rew_k, cor_k, kb.group_ids, old_k, kb.loss_mask, kb.is_probe,
+                                                    kb.probe_start, kb.probe_len, pool_logp)
         arrays = {"tokens": kb.tokens, "attention_mask": kb.attention_mask, "loss_mask": kb.loss_mask,
-                  "behaviour_logp": behaviour.astype(np.float32), "advantages": adv.astype(np.float32),
-                  "is_probe": kb.is_probe}
+                  "behaviour_logp": behaviour, "advantages": adv, "is_probe": kb.is_probe}
         if ref_logp is not None:
             arrays["ref_logp"] = ref_logp.astype(np.float32)
         # the next step's ratio; this step's filter already used the current one
