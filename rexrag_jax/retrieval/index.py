@@ -99,7 +99,15 @@ def build_index(corpus_path: str, index_dir: str, encoder, *, searcher: str = "a
             _write_json(os.path.join(work, STATE), state)
     docs.close()
 
-    kind = choose_searcher(n, searcher, exact_max_rows)
+    return finish_index(work, index_dir, emb, choose_searcher(n, searcher, exact_max_rows), scann_params,
+                        {"encoder": desc, "corpus": {"path": corpus_path, "sha256": sha}}, extra_files, progress)
+
+
+def finish_index(work: str, index_dir: str, emb: np.ndarray, kind: str, scann_params: dict | None,
+                 manifest: dict, extra_files: dict[str, str] | None, progress: bool) -> str:
+    """Last steps of a build (or merge) in `work` whose docstore and embeddings `emb` [n, dim] are written:
+    the ScaNN searcher (kind == "scann"), `extra_files`, the manifest (`manifest` + format, dim, count,
+    searcher, params), then the build state is dropped and `work` replaces `index_dir`. Returns index_dir."""
     params = None
     if kind == "scann":
         t = time.time()
@@ -108,15 +116,14 @@ def build_index(corpus_path: str, index_dir: str, encoder, *, searcher: str = "a
         params = s.params
         if progress:
             print(f"ScaNN searcher built in {time.time() - t:.1f}s: {params}")
-    del emb
     for name, text in (extra_files or {}).items():
         with open(os.path.join(work, name), "w", encoding="utf-8") as f:
             f.write(text)
     _write_json(os.path.join(work, MANIFEST), {
-        "format": FORMAT_VERSION, "encoder": desc, "dim": dim, "count": n,
-        "corpus": {"path": corpus_path, "sha256": sha}, "searcher": kind, "scann_params": params,
-        "created_unix": int(time.time())})
-    os.remove(os.path.join(work, STATE))
+        "format": FORMAT_VERSION, "dim": emb.shape[1], "count": emb.shape[0], **manifest, "searcher": kind,
+        "scann_params": params, "created_unix": int(time.time())})
+    if os.path.exists(os.path.join(work, STATE)):
+        os.remove(os.path.join(work, STATE))
     _swap_in(work, index_dir)
     return index_dir
 

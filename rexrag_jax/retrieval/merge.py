@@ -21,15 +21,13 @@ import hashlib
 import json
 import os
 import shutil
-import time
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from rexrag_jax.retrieval.docstore import DOCS, OFFSETS
-from rexrag_jax.retrieval.index import (EMB, FORMAT_VERSION, MANIFEST, IndexLoadError, _swap_in, _write_json,
-                                        check_index_files, choose_searcher, read_manifest)
-from rexrag_jax.retrieval.searcher import ScannSearcher
+from rexrag_jax.retrieval.index import (EMB, MANIFEST, IndexLoadError, check_index_files, choose_searcher,
+                                        finish_index, read_manifest)
 
 
 def _check_parts(part_dirs: list[str]) -> list[dict]:
@@ -82,7 +80,9 @@ def _merge_docstores(part_dirs: list[str], work: str, check_duplicate_ids: bool,
         for i, d in enumerate(part_dirs):
             off = np.load(os.path.join(d, OFFSETS))
             with open(os.path.join(d, DOCS), "rb") as f:
-                if check_duplicate_ids:
+                if not check_duplicate_ids:
+                    shutil.copyfileobj(f, out, 1 << 22)
+                else:  # one pass: check each id and copy its line
                     for row, line in enumerate(tqdm(f, total=len(off) - 1, desc=f"docstore part {i}",
                                                     unit="passage", disable=not progress)):
                         pid = json.loads(line)["id"]
@@ -90,8 +90,7 @@ def _merge_docstores(part_dirs: list[str], work: str, check_duplicate_ids: bool,
                             raise IndexLoadError(f"{os.path.join(d, DOCS)}: passage id {pid!r} (row {row}) is "
                                                  f"already in an earlier part; parts must not overlap")
                         seen.add(pid)
-                    f.seek(0)
-                shutil.copyfileobj(f, out, 1 << 22)
+                        out.write(line)
             offsets.append(off[1:] + base)
             base += int(off[-1])
     np.save(tmp_off, np.concatenate(offsets))
@@ -135,22 +134,7 @@ def merge_indexes(part_dirs: list[str], index_dir: str, *, searcher: str = "auto
             del src
     emb.flush()
 
-    params = None
-    if kind == "scann":
-        t = time.time()
-        s = ScannSearcher.build(np.asarray(emb), **(scann_params or {}))
-        s.save(os.path.join(work, "scann"))
-        params = s.params
-        if progress:
-            print(f"ScaNN searcher built in {time.time() - t:.1f}s: {params}")
-    del emb
-    for name, text in (extra_files or {}).items():
-        with open(os.path.join(work, name), "w", encoding="utf-8") as f:
-            f.write(text)
     parts = [{"index_dir": d, "count": m["count"], "corpus": m["corpus"]} for d, m in zip(part_dirs, manifests)]
-    _write_json(os.path.join(work, MANIFEST), {
-        "format": FORMAT_VERSION, "encoder": manifests[0]["encoder"], "dim": dim, "count": n,
-        "corpus": {"path": f"concatenation of {len(parts)} part corpus files", "sha256": sha, "parts": parts},
-        "searcher": kind, "scann_params": params, "created_unix": int(time.time())})
-    _swap_in(work, index_dir)
-    return index_dir
+    corpus = {"path": f"concatenation of {len(parts)} part corpus files", "sha256": sha, "parts": parts}
+    return finish_index(work, index_dir, emb, kind, scann_params, {"encoder": manifests[0]["encoder"], "corpus": corpus},
+                        extra_files, progress)
