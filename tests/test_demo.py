@@ -76,8 +76,10 @@ def test_exported_policy_evaluates_on_other_data(quick_run, tmp_path, capsys):
     dumped = {json.loads(line)["id"]: json.loads(line)["response"]
               for line in open(os.path.join(run_dir, "eval_rl.jsonl"))}
     assert [r["response"] for r in rows] == [dumped[r["id"]] for r in rows]
-    with pytest.raises(SystemExit):  # no retriever given
-        demo.eval_main(["--model", os.path.join(run_dir, "final_model"), "--data", str(test_file)])
+    # no retriever given: refused by `rexrag eval`'s own check, naming both options
+    assert demo.eval_main(["--model", os.path.join(run_dir, "final_model"), "--data", str(test_file)]) == 2
+    err = capsys.readouterr().err
+    assert "needs a retriever" in err and "--retriever-url" in err and "--corpus" in err
 
 
 def test_load_warm_start_rebuilds_the_runs_warm_start(quick_run):
