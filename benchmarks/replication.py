@@ -1,110 +1,297 @@
-"""GRPO (no probes) vs REX-RAG at equal rollout budget on the demo's synthetic world, over seeds.
+"""REX-RAG vs its ablations on the demo's synthetic worlds: GRPO, REX-RAG without the policy correction,
+REX-RAG, from the same warm start per world, over several worlds, with a 95% confidence interval.
 
-    python benchmarks/replication.py [--seeds 0 1 2] [--run_root runs/replication] [--quick]
-                                     [--shared_warm_start | --warm_run RUNS/DEMO]
-                                     [--gin_param 'DemoConfig.rl_steps = 30']
-                                     [--json_out rep.json]
+    python benchmarks/replication.py [--seeds 0 1 2] [--arms grpo rexrag_nocorr rexrag]
+        [--run_root runs/replication] [--json_out docs/benchmarks/replication.json]
+        [--gin_param 'DemoConfig.rl_steps = 30'] [--quick] [--overwrite]
 
-Per seed: one warm start (SFT) shared by both arms, then two RL runs from it with the same questions per
-step, group size and step count (GRPO: DemoConfig.use_probes = False; REX-RAG: probes + policy correction),
-greedy held-out EM before/after, and a learning curve (greedy EM on a fixed held-out subset every
-`curve_every` steps). Equal rollout budget = the same number of original rollouts (questions x group size x
-steps); REX-RAG's probes are extra continuations of failed originals, as in the paper.
+Per world (seed = a new synthetic world + its own tokenizer, SFT warm start and probe-prior measurement):
+  warm start   rexrag_jax.demo.prepare_warm_start (greedy held-out EM "before", probe vs fresh success)
+  arms         the same warm start, the same questions per step, group size and number of RL steps:
+                 grpo            no probes                                 (TrainConfig.use_probes = False)
+                 rexrag_nocorr   probes, behaviour = π_old on every token  (TrainConfig.policy_correction = False)
+                 rexrag          probes + the policy correction (SPEC §5)
+  after        greedy held-out EM on the same questions (per hop count), and the per-step diagnostics
+               (all-fail / rescued groups, probe success created / kept, ρ, α, err, ratio statistics)
 
-Prints mean ± std (over seeds) of held-out EM for each arm, the difference REX-RAG - GRPO, and a table of
-the curves (EM per step, mean over seeds).
+The held-out set is DemoConfig.test_per_hop per hop count (default here 300: ~640 questions a world, the
+1-hop pool holds ~105). Nothing is tuned on it: the world and settings are the demo's (gin/demo.gin).
+
+Resume: results go to RUN_ROOT/results.json after every arm (and to --json_out); a killed run started
+again with the same command skips finished worlds/arms and restarts the arm it was on. RUN_ROOT remembers
+the code commit and the settings; another commit or other settings are refused unless --overwrite
+(which starts RUN_ROOT afresh).
+
+Statistics: paired differences (arm B - arm A on the same world and questions) with two 95% intervals,
+  t over worlds          mean ± t_{n-1, 0.975} · sd / sqrt(n) of the per-world differences;
+  bootstrap              worlds resampled with replacement, then questions within each world (2,000
+                         draws, percentile interval): uses the question-level noise, not only n worlds.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import math
 import os
-import statistics
+import shutil
+import subprocess
 import sys
 import time
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rexrag_jax import demo  # noqa: E402
 
+ARMS = {"grpo": dict(use_probes=False), "rexrag_nocorr": dict(use_probes=True, policy_correction=False),
+        "rexrag": dict(use_probes=True, policy_correction=True)}
+COMPARISONS = (("rexrag", "grpo"), ("rexrag", "rexrag_nocorr"), ("rexrag_nocorr", "grpo"))
+REPLICATION_DEFAULTS = dict(test_per_hop=300, curve_every=0, rl_time_budget_s=None, probe_prior_questions=200)
+# two-sided 95% t quantiles, df 1..10 (beyond: 1.96 + 2.5/df, within 0.01)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-def run_arm(run_dir: str, seed: int, cfg: demo.DemoConfig, use_probes: bool, warm: dict | None) -> dict:
-    arm_cfg = dataclasses.replace(cfg, use_probes=use_probes)
-    return demo.run_demo(run_dir, seed, arm_cfg, progress=False, warm=warm)
+
+class BadInput(ValueError):
+    pass
 
 
-def mean_std(xs):
-    return (statistics.mean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0)
+def t975(df: int) -> float:
+    return _T975[df - 1] if df <= len(_T975) else 1.96 + 2.5 / df
+
+
+def code_commit() -> str:
+    """The last commit that touched the code a replication runs (package, gin files, this script);
+    '+dirty' when those files have uncommitted changes."""
+    paths = ["rexrag_jax", "gin", "benchmarks/replication.py", "setup.py"]
+    try:
+        sha = subprocess.run(["git", "log", "-1", "--format=%H", "--", *paths], cwd=REPO, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", *paths], cwd=REPO, capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return sha + ("+dirty" if dirty else "")
+
+
+def parse_seeds(values) -> list[int]:
+    seeds = []
+    for v in values:
+        try:
+            s = int(v)
+        except ValueError:
+            raise BadInput(f"--seeds: {v!r} is not an integer (expected non-negative integers, e.g. --seeds 0 1 2)")
+        if s < 0:
+            raise BadInput(f"--seeds: {s} is negative (expected non-negative integers)")
+        seeds.append(s)
+    if len(set(seeds)) != len(seeds):
+        raise BadInput(f"--seeds: {values} repeats a seed (each seed is one world)")
+    return seeds
+
+
+def parse_arms(values) -> list[str]:
+    for a in values:
+        if a not in ARMS:
+            raise BadInput(f"--arms: unknown arm {a!r} (expected some of {', '.join(ARMS)})")
+    if len(set(values)) != len(values):
+        raise BadInput(f"--arms: {values} repeats an arm")
+    return list(values)
+
+
+def open_run_root(run_root: str, manifest: dict, overwrite: bool) -> dict:
+    """RUN_ROOT's results so far (empty when new); refuses another commit or other settings unless overwrite."""
+    path = os.path.join(run_root, "manifest.json")
+    if os.path.exists(path) and not overwrite:
+        with open(path) as f:
+            old = json.load(f)
+        for key in ("commit", "config"):
+            if old.get(key) != manifest[key]:
+                what = "code commit" if key == "commit" else "settings (DemoConfig)"
+                raise BadInput(f"{run_root}: a replication run dir from another {what} ({key} differs: "
+                               f"{str(old.get(key))[:60]} vs {str(manifest[key])[:60]}); use --overwrite to start "
+                               f"it afresh or another --run_root")
+    elif os.path.exists(run_root) and overwrite:
+        shutil.rmtree(run_root)
+    os.makedirs(run_root, exist_ok=True)
+    _write_json(path, manifest)
+    results_path = os.path.join(run_root, "results.json")
+    if os.path.exists(results_path):
+        with open(results_path) as f:
+            return json.load(f)
+    return {"worlds": []}
+
+
+def _write_json(path: str, obj) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+def per_hop(table: dict, key: str) -> dict:
+    return {k.replace("synth_", ""): v[key] for k, v in table.items() if k != "all"}
+
+
+def question_em(path: str) -> dict[str, float]:
+    with open(path) as f:
+        return {r["id"]: float(r["em"]) for r in map(json.loads, f)}
+
+
+def paired_stats(results: dict, a: str, b: str, run_root: str, draws: int = 2000, seed: int = 0) -> dict | None:
+    """b - a over the worlds that finished both arms: per-world differences, t interval, bootstrap interval."""
+    worlds = [w for w in results["worlds"] if a in w["arms"] and b in w["arms"]]
+    if not worlds:
+        return None
+    diffs = [w["arms"][b]["em_after"] - w["arms"][a]["em_after"] for w in worlds]
+    n = len(diffs)
+    mean = float(np.mean(diffs))
+    out = {"arms": f"{b} - {a}", "n_worlds": n, "per_world": diffs, "mean": mean}
+    if n > 1:
+        half = t975(n - 1) * float(np.std(diffs, ddof=1)) / math.sqrt(n)
+        out["t_interval"] = [mean - half, mean + half]
+    per_q = []
+    for w in worlds:
+        ea = question_em(os.path.join(run_root, f"seed{w['seed']}", a, "eval_rl.jsonl"))
+        eb = question_em(os.path.join(run_root, f"seed{w['seed']}", b, "eval_rl.jsonl"))
+        ids = sorted(ea)
+        per_q.append(100.0 * (np.array([eb[i] for i in ids]) - np.array([ea[i] for i in ids])))
+    rng = np.random.default_rng(seed)
+    boots = []
+    for _ in range(draws):
+        pick = rng.integers(n, size=n)
+        boots.append(np.mean([per_q[i][rng.integers(len(per_q[i]), size=len(per_q[i]))].mean() for i in pick]))
+    out["bootstrap_interval"] = [float(np.percentile(boots, 2.5)), float(np.percentile(boots, 97.5))]
+    return out
+
+
+def summarize(results: dict, run_root: str, arms: list[str]) -> list[str]:
+    lines = [f"{'world':>6} {'before':>7} " + " ".join(f"{a:>14}" for a in arms)
+             + f" {'probe/fresh at warm start':>27}"]
+    for w in results["worlds"]:
+        ws = w.get("warm_start", {})
+        row = f"{w['seed']:>6} {ws.get('em_before', float('nan')):7.1f} "
+        row += " ".join(f"{w['arms'][a]['em_after']:14.1f}" if a in w["arms"] else f"{'-':>14}" for a in arms)
+        if "probe_success" in ws:
+            row += f" {100 * ws['probe_success']:11.1f}% / {100 * ws['fresh_success']:.1f}%"
+        lines.append(row)
+    lines.append("")
+    results["comparisons"] = []
+    for a, b in COMPARISONS:
+        if a not in arms or b not in arms:
+            continue
+        st = paired_stats(results, b, a, run_root)
+        if st is None:
+            continue
+        results["comparisons"].append(st)
+        t = st.get("t_interval")
+        lines.append(f"{st['arms']:>24}: {st['mean']:+5.1f} EM over {st['n_worlds']} world(s)"
+                     + (f", 95% t over worlds [{t[0]:+.1f}, {t[1]:+.1f}]" if t else "")
+                     + f", 95% bootstrap (worlds x questions) [{st['bootstrap_interval'][0]:+.1f}, "
+                       f"{st['bootstrap_interval'][1]:+.1f}]   per world {', '.join(f'{d:+.1f}' for d in st['per_world'])}")
+    for a in arms:
+        ds = [w["arms"][a]["diagnostics"] for w in results["worlds"] if a in w["arms"]]
+        if not ds or a == "grpo":
+            continue
+        f = lambda k: np.nanmean([d[k] if d.get(k) is not None else np.nan for d in ds])  # noqa: E731
+        lines.append(f"{a:>24}: all-fail groups {100 * f('groups/all_fail'):.0f}%, rescued {100 * f('groups/rescued'):.0f}%, "
+                     f"probe success created {100 * f('probes/success_created'):.0f}% kept "
+                     f"{100 * f('probes/success_kept'):.0f}%, keep ratio {f('keep_ratio_start'):.3f} -> "
+                     f"{f('keep_ratio_last'):.3f} (min {f('keep_ratio_min'):.3f}), alpha {f('alpha'):.3f}, err {f('err'):.3f}")
+    return lines
+
+
+def run(args) -> int:
+    seeds, arms = parse_seeds(args.seeds), parse_arms(args.arms)
+    demo.enable_compile_cache()
+    cfg = demo.parse_config(args.gin_file, args.gin_param, args.quick)
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in REPLICATION_DEFAULTS.items()
+                                      if not args.quick or k not in ("test_per_hop", "probe_prior_questions")})
+    command = " ".join(["python", "benchmarks/replication.py", *sys.argv[1:]]) if args.command is None else args.command
+    manifest = {"commit": code_commit(), "config": dataclasses.asdict(cfg)}
+    results = open_run_root(args.run_root, manifest, args.overwrite)
+    results.update({"commit": manifest["commit"], "command": command, "config": manifest["config"],
+                    "statistics": "paired differences; 95% t over worlds and 95% bootstrap over worlds then questions"})
+    t_start = time.perf_counter()
+    wall0 = results.get("wall_seconds", 0.0)
+
+    def save():
+        results["wall_seconds"] = wall0 + time.perf_counter() - t_start
+        _write_json(os.path.join(args.run_root, "results.json"), results)
+        if args.json_out:
+            _write_json(args.json_out, results)
+
+    for seed in seeds:
+        world = next((w for w in results["worlds"] if w["seed"] == seed), None)
+        if world is None:
+            world = {"seed": seed, "arms": {}}
+            results["worlds"].append(world)
+        if all(a in world["arms"] for a in arms):
+            continue
+        base = os.path.join(args.run_root, f"seed{seed}")
+        warm_dir = os.path.join(base, "warm")
+        warm = None
+        if os.path.exists(os.path.join(warm_dir, "warmstart_model", "config.json")):
+            try:
+                warm = demo.load_warm_start(warm_dir, seed, cfg)
+            except (FileNotFoundError, ValueError):
+                warm = None
+        if warm is None:
+            shutil.rmtree(warm_dir, ignore_errors=True)
+            warm = demo.prepare_warm_start(warm_dir, seed, cfg, progress=False, times={})
+        before = warm["before"]
+        prior = warm["probe_prior"]
+        world["warm_start"] = {"em_before": 100 * before.average, "n_heldout": before.num_examples,
+                               "em_before_per_hop": {k.replace("synth_", ""): 100 * v["em"]
+                                                     for k, v in before.per_source.items()},
+                               **{k: prior[k] for k in ("probe_success", "fresh_success", "ratio", "n_questions",
+                                                        "n_probes", "n_fresh", "reflect_rate", "greedy_wrong")}}
+        save()
+        print(f"world {seed}: warm start EM {100 * before.average:.1f} on {before.num_examples} held-out; probe "
+              f"success {100 * prior['probe_success']:.1f}% vs fresh {100 * prior['fresh_success']:.1f}%", flush=True)
+        for arm in arms:
+            if arm in world["arms"]:
+                continue
+            arm_dir = os.path.join(base, arm)
+            shutil.rmtree(arm_dir, ignore_errors=True)  # an arm killed midway restarts from the warm start
+            t0 = time.perf_counter()
+            s = demo.run_demo(arm_dir, seed, dataclasses.replace(cfg, **ARMS[arm]), progress=False, warm=warm)
+            world["arms"][arm] = {"em_before": s["table"]["all"]["em_warmstart"], "em_after": s["table"]["all"]["em_rl"],
+                                  "n_heldout": s["table"]["all"]["n"],
+                                  "em_before_per_hop": per_hop(s["table"], "em_warmstart"),
+                                  "em_after_per_hop": per_hop(s["table"], "em_rl"), "rl_steps": s["rl_steps"],
+                                  "seconds": round(time.perf_counter() - t0, 1), "diagnostics": s["rl_diagnostics"],
+                                  "rl_log": s["rl_log"]}
+            save()
+            print(f"world {seed} {arm:>13}: EM {world['arms'][arm]['em_before']:.1f} -> {world['arms'][arm]['em_after']:.1f} "
+                  f"({world['arms'][arm]['seconds']:.0f}s)", flush=True)
+    lines = summarize(results, args.run_root, arms)
+    save()
+    print("\n" + "\n".join(lines))
+    print(f"\ntotal wall {results['wall_seconds']:.0f}s; results: {os.path.join(args.run_root, 'results.json')}"
+          + (f", {args.json_out}" if args.json_out else ""))
+    return 0
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--seeds", nargs="+", default=["0", "1", "2"])
+    p.add_argument("--arms", nargs="+", default=list(ARMS))
     p.add_argument("--run_root", default="runs/replication")
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--json_out", default=None, help="also write the results here (e.g. docs/benchmarks/replication.json)")
+    p.add_argument("--quick", action="store_true", help="tiny worlds and 2 RL steps: tests the plumbing, not the effect")
     p.add_argument("--gin_file", action="append", default=[])
     p.add_argument("--gin_param", action="append", default=[])
-    p.add_argument("--json_out")
-    p.add_argument("--warm_run", help="a finished `rexrag demo` run dir (same config, seed of the first --seeds): "
-                   "its warm start is used for every seed (implies --shared_warm_start)")
-    p.add_argument("--shared_warm_start", action="store_true",
-                   help="one warm start (world and SFT of the first seed) for every seed; the seeds then vary "
-                        "only the RL (rollout sampling, question order): cheaper, measures RL variance only")
+    p.add_argument("--overwrite", action="store_true", help="start RUN_ROOT afresh (other commit or settings)")
+    p.add_argument("--command", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    demo.enable_compile_cache()
-    cfg = demo.parse_config(args.gin_file, args.gin_param, args.quick)
-    if not cfg.curve_every:
-        cfg = dataclasses.replace(cfg, curve_every=max(1, cfg.rl_steps // 5))
-    # Equal rollout budget: both arms run exactly rl_steps steps (a wall-clock budget would give the
-    # cheaper GRPO arm more steps, or either arm fewer under load).
-    cfg = dataclasses.replace(cfg, rl_time_budget_s=None)
-    results = {"grpo": [], "rexrag": []}
-    t0 = time.perf_counter()
-    shared = None
-    if args.warm_run:
-        args.shared_warm_start = True
-        shared = demo.load_warm_start(args.warm_run, args.seeds[0], cfg)
-        print(f"warm start from {args.warm_run}: held-out EM {100 * shared['before'].average:.1f}", flush=True)
-    for seed in args.seeds:
-        base = os.path.join(args.run_root, f"seed{seed}")
-        warm = shared
-        for arm, probes in (("grpo", False), ("rexrag", True)):
-            s = run_arm(os.path.join(base, arm), seed, cfg, probes, warm)
-            warm = s["warm_state"]  # the second arm reuses the first arm's world, index and SFT policy
-            if args.shared_warm_start:
-                shared = warm
-            row = {"seed": seed, "em_warmstart": s["table"]["all"]["em_warmstart"], "em_rl": s["table"]["all"]["em_rl"],
-                   "per_hop": {k: v["em_rl"] for k, v in s["table"].items() if k != "all"},
-                   "curve": s["curve"], "seconds": s["total_seconds"]}
-            results[arm].append(row)
-            print(f"seed {seed} {arm:7s}: EM warm start {row['em_warmstart']:.1f} -> after RL {row['em_rl']:.1f} "
-                  f"({row['seconds']:.0f}s)", flush=True)
-
-    g = mean_std([r["em_rl"] for r in results["grpo"]])
-    x = mean_std([r["em_rl"] for r in results["rexrag"]])
-    w = mean_std([r["em_warmstart"] for r in results["grpo"]])
-    diffs = [b["em_rl"] - a["em_rl"] for a, b in zip(results["grpo"], results["rexrag"])]
-    d = mean_std(diffs)
-    print(f"\nheld-out EM over seeds {args.seeds} ({cfg.rl_steps} RL steps x {cfg.num_questions} questions x "
-          f"{cfg.group_size} rollouts):")
-    print(f"  warm start      {w[0]:5.1f} ± {w[1]:.1f}")
-    print(f"  GRPO            {g[0]:5.1f} ± {g[1]:.1f}")
-    print(f"  REX-RAG         {x[0]:5.1f} ± {x[1]:.1f}")
-    print(f"  REX-RAG - GRPO  {d[0]:+5.1f} ± {d[1]:.1f}   (goal: >= +5)")
-    print("\ncurve (greedy EM on the curve subset, mean over seeds):")
-    steps = [c["step"] for c in results["grpo"][0]["curve"]]
-    print(f"  {'step':>5}  {'GRPO':>6}  {'REX-RAG':>8}")
-    for i, step in enumerate(steps):
-        ge = statistics.mean(100 * r["curve"][i]["em"] for r in results["grpo"] if i < len(r["curve"]))
-        xe = statistics.mean(100 * r["curve"][i]["em"] for r in results["rexrag"] if i < len(r["curve"]))
-        print(f"  {step:>5}  {ge:6.1f}  {xe:8.1f}")
-    print(f"\ntotal {time.perf_counter() - t0:.0f}s")
-    if args.json_out:
-        with open(args.json_out + ".tmp", "w") as f:
-            json.dump({"config": dataclasses.asdict(cfg), "seeds": args.seeds, **results}, f, indent=2)
-        os.replace(args.json_out + ".tmp", args.json_out)
-    return 0
+    try:
+        return run(args)
+    except BadInput as e:
+        print(f"replication: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -51,6 +51,9 @@ class DemoConfig:
     num_company: int = 30
     dead_end_fraction: float = 0.3      # warm-start trajectories that answer too early (wrongly)
     dead_end_stop: str = "any_hop"      # where dead ends stop ("no_search": guess before any search)
+    revision_fraction: float = 0.2      # warm-start trajectories: dead end + pool prompt + correct continuation
+                                        # (the prior probes rely on; only the continuation is learnt)
+    probe_prior_questions: int = 96     # greedy-wrong held-out questions for the probe vs fresh-sample measure
     sft_examples: int = 0               # warm-start trajectories used (0: the whole train split)
     test_per_hop: int = 100             # held-out questions per hop count
     vocab_size: int = 1024              # SentencePiece upper bound (the model uses the trained vocab size)
@@ -75,8 +78,9 @@ class DemoConfig:
     micro_batch: int = 8
     kl_coef: float = 0.001
     use_probes: bool = True
+    policy_correction: bool = True      # False: the "w/o policy correction" ablation (behaviour = π_old)
     revision_prob: float = 0.5          # higher than the paper's 0.2: few wrong answers per small step
-    initial_keep_ratio: float = 0.25
+    initial_keep_ratio: float = 0.125
     rl_time_budget_s: float | None = 240.0
     temperature: float = 0.7            # rollout sampling temperature; the trainer's log-probs use the same
     curve_every: int = 0                # >0: greedy EM on `curve_examples` test questions every k RL steps
@@ -89,9 +93,14 @@ class DemoConfig:
     length_bucket: int = 128           # sequences padded to multiples of this (each length compiles once)
 
 
+# per-step numbers kept in summary.json's rl_log (all of them also go to TensorBoard, rl/)
+RL_LOG_KEYS = ("em/train", "reward/mean", "reward/original", "probes/created", "probes/kept", "probes/success_created",
+               "probes/success_kept", "groups/all_fail", "groups/rescued", "keep_ratio", "alpha", "err",
+               "original/ratio_mean", "probe/ratio_mean", "original/clip_frac", "probe/clip_frac", "kl", "time/step")
+
 QUICK_OVERRIDES = dict(hidden_size=128, intermediate_size=384, head_dim=32, num_person=40, num_city=14, num_country=4, num_company=10, sft_examples=400,
                        test_per_hop=10, sft_steps=25, rl_steps=2, num_questions=4, group_size=4,
-                       micro_batch=8, curve_every=0, vocab_size=700, sft_time_budget_s=None, rl_time_budget_s=None)
+                       micro_batch=8, curve_every=0, vocab_size=700, probe_prior_questions=8, sft_time_budget_s=None, rl_time_budget_s=None)
 
 
 def _log(msg: str) -> None:
@@ -227,9 +236,11 @@ def prepare_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool,
     sft_examples = world.train[:cfg.sft_examples] if cfg.sft_examples else world.train
     retriever.prefetch([f"{s} {r}" for ex in sft_examples for s, r, _ in world.hops(ex.id)], cfg.topk)
     trajectories = make_warmstart(world, dead_end_fraction=cfg.dead_end_fraction, seed=seed, retriever=retriever,
-                                  topk=cfg.topk, examples=sft_examples, dead_end_stop=cfg.dead_end_stop)
+                                  topk=cfg.topk, examples=sft_examples, dead_end_stop=cfg.dead_end_stop,
+                                  revision_fraction=cfg.revision_fraction)
     write_world(world, os.path.join(run_dir, "world"), trajectories)
-    done("warmstart_data", f"({len(trajectories)} trajectories, {sum(t['dead_end'] for t in trajectories)} dead ends)")
+    done("warmstart_data", f"({len(trajectories)} trajectories, {sum(t['dead_end'] for t in trajectories)} dead ends, "
+                           f"{sum(t.get('revision', False) for t in trajectories)} revisions)")
 
     phase("tokenizer")
     tok_path = train_sentencepiece(training_text(world, trajectories), os.path.join(run_dir, "tokenizer", "demo"),
@@ -250,13 +261,39 @@ def prepare_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool,
 
     phase("eval_warmstart")
     evaluator = make_evaluator(cfg, tok_path, retriever, model_cfg, params)
-    _, before = evaluate_split(evaluator, params, world.test, os.path.join(run_dir, "eval_warmstart.jsonl"),
-                               progress)
+    records, before = evaluate_split(evaluator, params, world.test, os.path.join(run_dir, "eval_warmstart.jsonl"),
+                                     progress)
     logger.log(0, {f"eval/em_{k}": v["em"] for k, v in before.per_source.items()} | {"eval/em_mean": before.average})
-    logger.close()
     done("eval_warmstart", f"(EM {100 * before.average:.1f})")
+    phase("probe_prior")
+    prior = measure_probe_prior(cfg, evaluator, params, world.test, records, seed, run_dir)
+    logger.log(0, {f"warmstart/{k}": v for k, v in prior.items() if isinstance(v, float)})
+    logger.close()
+    done("probe_prior", f"(probe success {100 * prior['probe_success']:.1f}% vs fresh sample "
+                        f"{100 * prior['fresh_success']:.1f}% on {prior['n_questions']} greedy-wrong held-out questions)")
     return dict(world=world, retriever=retriever, tok_path=tok_path, model_cfg=model_cfg, warm_dir=warm_dir,
-                sft_hist=sft_hist, evaluator=evaluator, before=before, run_dir=run_dir, times=dict(times))
+                sft_hist=sft_hist, evaluator=evaluator, before=before, records=records, probe_prior=prior,
+                run_dir=run_dir, times=dict(times))
+
+
+def measure_probe_prior(cfg: DemoConfig, evaluator, params, test, records, seed: int, run_dir: str | None) -> dict:
+    """Probe vs fresh-sample success at the warm start (rexrag_jax.evaluation.probe_prior) on up to
+    cfg.probe_prior_questions held-out questions whose greedy answer is wrong; written to
+    run_dir/probe_prior.json."""
+    from rexrag_jax.evaluation.probe_prior import greedy_wrong, probe_vs_fresh
+
+    wrong = greedy_wrong(test, records)
+    rng = np.random.default_rng(seed)
+    pick = sorted(rng.choice(len(wrong), size=min(cfg.probe_prior_questions, len(wrong)), replace=False))
+    prior = probe_vs_fresh(evaluator, params, [wrong[i] for i in pick], group_size=cfg.group_size, seed=seed,
+                           batch_questions=cfg.num_questions, temperature=cfg.temperature)
+    prior["greedy_wrong"] = len(wrong)
+    if run_dir is not None:
+        tmp = os.path.join(run_dir, ".probe_prior.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(prior, f, indent=2)
+        os.replace(tmp, os.path.join(run_dir, "probe_prior.json"))
+    return prior
 
 
 def load_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool = False) -> dict:
@@ -283,9 +320,16 @@ def load_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool = F
     model_cfg = model_config(cfg, loaded_cfg.vocab_size)
     tok_path = os.path.join(run_dir, "tokenizer", "demo.model")
     evaluator = make_evaluator(cfg, tok_path, retriever, model_cfg, params)
-    _, before = evaluate_split(evaluator, params, world.test, None, progress)
+    records, before = evaluate_split(evaluator, params, world.test, None, progress)
+    prior_path = os.path.join(run_dir, "probe_prior.json")
+    if os.path.exists(prior_path):
+        with open(prior_path) as f:
+            prior = json.load(f)
+    else:
+        prior = measure_probe_prior(cfg, evaluator, params, world.test, records, seed, run_dir)
     return dict(world=world, retriever=retriever, tok_path=tok_path, model_cfg=model_cfg, warm_dir=warm_dir,
-                sft_hist=[], evaluator=evaluator, before=before, run_dir=run_dir, times={})
+                sft_hist=[], evaluator=evaluator, before=before, records=records, probe_prior=prior,
+                run_dir=run_dir, times={})
 
 
 def run_demo(run_dir: str, seed: int = 0, cfg: DemoConfig | None = None, progress: bool = True,
@@ -325,6 +369,7 @@ def run_demo(run_dir: str, seed: int = 0, cfg: DemoConfig | None = None, progres
                             group_size=cfg.group_size, mini_batch=(-(-n_rows // cfg.micro_batch) + 1) * cfg.micro_batch,
                             micro_batch=cfg.micro_batch, max_seq_len=cfg.max_context + cfg.max_new_tokens,
                             length_bucket=cfg.length_bucket, kl_coef=cfg.kl_coef, use_probes=cfg.use_probes,
+                            policy_correction=cfg.policy_correction,
                             initial_keep_ratio=cfg.initial_keep_ratio, checkpoint_every=max(1, cfg.rl_steps),
                             eval_every=0, logprob_chunk=0, temperature=cfg.temperature)
     opt_cfg = OptimizerConfig(learning_rate=cfg.rl_lr, warmup_fraction=0.0, total_steps=cfg.rl_steps)
@@ -341,8 +386,7 @@ def run_demo(run_dir: str, seed: int = 0, cfg: DemoConfig | None = None, progres
         while trainer.step < cfg.rl_steps:
             m = trainer.train_step()
             trainer.logger.log(trainer.step, m)
-            rl_log.append({k: m[k] for k in ("em/train", "reward/mean", "probes/created", "probes/kept", "time/step")
-                           if k in m})
+            rl_log.append({k: m[k] for k in RL_LOG_KEYS if k in m})
             bar.update(1)
             bar.set_postfix(em_train=f"{m.get('em/train', float('nan')):.2f}", probes=m.get("probes/kept", 0))
             if cfg.curve_every and trainer.step % cfg.curve_every == 0:
@@ -377,6 +421,7 @@ def run_demo(run_dir: str, seed: int = 0, cfg: DemoConfig | None = None, progres
                "margin_em_points": numbers["all"]["delta"], "rl_steps": trainer.step,
                "phase_seconds": {k: round(v, 1) for k, v in times.items()}, "total_seconds": round(total, 1),
                "sft_history": warm["sft_hist"], "rl_log": rl_log, "curve": curve,
+               "probe_prior": warm.get("probe_prior"), "rl_diagnostics": rl_diagnostics(rl_log, cfg.initial_keep_ratio),
                "checkpoint_dir": os.path.join(run_dir, "rl", "checkpoints"), "final_model": final_dir,
                "warmstart_model": warm["warm_dir"], "warm_start_from": warm["run_dir"],
                "tensorboard": [os.path.join(run_dir, "tensorboard"), os.path.join(run_dir, "rl", "tensorboard")]}
@@ -387,6 +432,21 @@ def run_demo(run_dir: str, seed: int = 0, cfg: DemoConfig | None = None, progres
     summary["table_text"] = table
     summary["warm_state"] = warm
     return summary
+
+
+def rl_diagnostics(rl_log: list[dict], initial_keep_ratio: float | None = None) -> dict:
+    """Run-level REX-RAG diagnostics from the per-step log: means over steps (NaN-free steps only) of the
+    all-fail / rescued group shares, probe success (created, kept), α, err; and ρ at the start and end."""
+    out = {}
+    for k in ("groups/all_fail", "groups/rescued", "probes/success_created", "probes/success_kept", "alpha", "err",
+              "probes/created", "probes/kept", "original/ratio_mean", "probe/ratio_mean"):
+        vals = [r[k] for r in rl_log if k in r and r[k] == r[k]]
+        out[k] = float(np.mean(vals)) if vals else None
+    rho = [r["keep_ratio"] for r in rl_log if "keep_ratio" in r]
+    out["keep_ratio_start"] = initial_keep_ratio
+    out["keep_ratio_first"], out["keep_ratio_last"] = (rho[0], rho[-1]) if rho else (None, None)
+    out["keep_ratio_min"] = min(rho) if rho else None
+    return out
 
 
 def _curve_examples(test, n):
@@ -402,10 +462,26 @@ def print_summary(summary: dict) -> None:
     verdict = "RL improved held-out EM" if m > 0 else "RL did NOT improve held-out EM"
     _log(f"\nmargin: EM after RL - EM after warm start = {m:+.1f} points on "
          f"{summary['table']['all']['n']} held-out questions ({verdict})")
+    prior = summary.get("probe_prior")
+    if prior:
+        _log(f"probes at the warm start: probe success {100 * prior['probe_success']:.1f}% vs fresh-sample success "
+             f"{100 * prior['fresh_success']:.1f}% ({prior['n_probes']} probes, {prior['n_fresh']} samples, "
+             f"{prior['n_questions']} greedy-wrong held-out questions; unprompted reflection "
+             f"{100 * prior['reflect_rate']:.1f}%)")
+    d = summary.get("rl_diagnostics") or {}
+    if d.get("groups/all_fail") is not None:
+        _log(f"RL diagnostics (mean over steps): all-fail groups {100 * d['groups/all_fail']:.0f}%, rescued by a kept "
+             f"probe {100 * (d['groups/rescued'] or 0):.0f}%, probe success created/kept "
+             f"{_pct(d['probes/success_created'])}/{_pct(d['probes/success_kept'])}, keep ratio "
+             f"{d['keep_ratio_start']:.3f} -> {d['keep_ratio_last']:.3f} (min {d['keep_ratio_min']:.3f})")
     _log(f"time: {summary['total_seconds']:.0f}s total; " + ", ".join(f"{k} {v:.0f}s"
                                                                     for k, v in summary["phase_seconds"].items()))
     _log(f"checkpoint: {summary['checkpoint_dir']}  exported policy: {summary['final_model']}")
     _log(f"tensorboard --logdir {os.path.dirname(os.path.dirname(summary['checkpoint_dir']))}")
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None else f"{100 * x:.0f}%"
 
 
 # --- evaluation of an exported policy on any QA files -------------------------------------------------------

@@ -13,7 +13,25 @@ dead_end_stop="no_search") and answers wrongly: with the
 entity found so far (j >= 1: "<think> The founder of Zelko is Marvo. </think><answer> Marvo </answer>")
 or, with no search at all, a random entity of the answer's type. The answer is never a gold answer,
 so RL and probes have something to fix. Each record keeps `segments` [[kind, text], ...] with kind
-"response" (model tokens, in the loss) or "information" (observation, masked out).
+"response" (model tokens, in the loss), "information" (observation, masked out), "context" (model text
+that is conditioned on but not learnt) or "probe" (an inserted revision prompt, masked out).
+
+A "revision" trajectory (fraction `revision_fraction`, drawn from the non-dead-end questions) is the
+pretrained-LLM prior REX-RAG relies on (SPEC §3): a dead end cut exactly where a probe cuts it (the
+`<answer>` block removed), one prompt of the revision pool, then the correct continuation:
+
+    [context]  <think> I need the founder of Zelko. </think><search> Zelko founder </search>
+    [information] ...
+    [context]  <think> The founder of Zelko is Marvo. </think>
+    [probe]    <think> Perhaps I've overlooked critical points or slipped up in my logic.
+    [response]  I need the birthplace of Marvo. </think><search> Marvo birthplace </search>
+    [information] ...
+    [response] <think> The birthplace of Marvo is Tavik. </think><answer> Tavik </answer>
+
+Only the continuation is in the loss: the prefix is a dead end (learning it would add dead ends) and
+the prompt is not the model's (learning it would teach the policy to reflect on its own, which the
+paper's base model rarely does). So the warm start learns "after a revision prompt, search on" and
+nothing else from these records.
 """
 from __future__ import annotations
 
@@ -22,7 +40,8 @@ import random
 from rexrag_jax.data.prompts import build_prompt_text
 from rexrag_jax.data.synthetic_world import World, WorldRetriever
 
-RESPONSE, INFORMATION = "response", "information"
+RESPONSE, INFORMATION, CONTEXT, PROBE = "response", "information", "context", "probe"
+SEGMENT_KINDS = (RESPONSE, INFORMATION, CONTEXT, PROBE)  # only RESPONSE is in the SFT loss
 
 
 def _format_passages(hits) -> str:
@@ -46,28 +65,38 @@ def observation(hits) -> str:
 DEAD_END_STOPS = ("any_hop", "no_search")
 
 
+def _search_turns(hops, known, retriever, topk, kind):
+    """(segments, last known fact) of one search turn per hop: think (+ the last fact) + search + observation."""
+    segments = []
+    for subj, rel, obj in hops:
+        lead = f"The {known[1]} of {known[0]} is {known[2]}. " if known else ""
+        query = f"{subj} {rel}"
+        segments.append([kind, f"<think> {lead}I need the {rel} of {subj}. </think><search> {query} </search>"])
+        segments.append([INFORMATION, observation(retriever.search([query], topk)[0])])
+        known = (subj, rel, obj)
+    return segments, known
+
+
 def make_trajectory(world: World, example, retriever, *, dead_end: bool, rng: random.Random,
-                    topk: int = 3, dead_end_stop: str = "any_hop") -> dict:
+                    topk: int = 3, dead_end_stop: str = "any_hop", revision_prompt: str | None = None) -> dict:
     """One trajectory record (see the module docstring); `retriever` has `search(queries, topk)`.
 
     dead_end_stop: where a dead end stops, "any_hop" (after j ~ U{0..k-1} searches) or "no_search"
-    (always guesses before the first search, so the early-answer decision is the first one)."""
+    (always guesses before the first search, so the early-answer decision is the first one).
+    revision_prompt: make a revision trajectory (dead end, this prompt, correct continuation; not with
+    dead_end=True)."""
     if dead_end_stop not in DEAD_END_STOPS:
         raise ValueError(f"dead_end_stop must be one of {DEAD_END_STOPS}, got {dead_end_stop!r}")
+    if dead_end and revision_prompt is not None:
+        raise ValueError("make_trajectory: a trajectory is a dead end or a revision, not both")
     hops = world.hops(example.id)
     k = len(hops)
-    if dead_end:
+    if dead_end or revision_prompt is not None:
         stop = rng.randrange(k) if dead_end_stop == "any_hop" else 0  # searches done before answering
     else:
         stop = k
-    segments: list[list[str]] = []
-    known = None  # (subject, relation, object) learnt from the last observation
-    for subj, rel, _ in hops[:stop]:
-        lead = f"The {known[1]} of {known[0]} is {known[2]}. " if known else ""
-        query = f"{subj} {rel}"
-        segments.append([RESPONSE, f"<think> {lead}I need the {rel} of {subj}. </think><search> {query} </search>"])
-        segments.append([INFORMATION, observation(retriever.search([query], topk)[0])])
-        known = hops[len(segments) // 2 - 1]
+    prefix_kind = CONTEXT if revision_prompt is not None else RESPONSE
+    segments, known = _search_turns(hops[:stop], None, retriever, topk, prefix_kind)
     if known is not None:
         answer = known[2]
         think = f"The {known[1]} of {known[0]} is {known[2]}."
@@ -78,31 +107,58 @@ def make_trajectory(world: World, example, retriever, *, dead_end: bool, rng: ra
                       and e != head_id]
         answer = world.names[rng.choice(candidates)]
         think = f"I think the answer is {answer}."
+    if revision_prompt is not None:
+        # the probe's cut: the dead end's think kept, its <answer> block replaced by the prompt
+        segments.append([CONTEXT, f"<think> {think} </think>"])
+        segments.append([PROBE, revision_prompt])
+        subj, rel, obj = hops[stop]
+        query = f"{subj} {rel}"
+        segments.append([RESPONSE, f" I need the {rel} of {subj}. </think><search> {query} </search>"])
+        segments.append([INFORMATION, observation(retriever.search([query], topk)[0])])
+        rest, known = _search_turns(hops[stop + 1:], (subj, rel, obj), retriever, topk, RESPONSE)
+        segments += rest
+        answer = known[2]
+        think = f"The {known[1]} of {known[0]} is {known[2]}."
     segments.append([RESPONSE, f"<think> {think} </think><answer> {answer} </answer>"])
     if dead_end and answer in example.golden_answers:  # guaranteed by the world's no-loop chains
         raise AssertionError(f"dead end for {example.id} answered correctly")
     return {"id": example.id, "question": example.question, "golden_answers": list(example.golden_answers),
             "data_source": example.data_source, "prompt_text": build_prompt_text(example.question),
-            "response": "".join(t for _, t in segments), "segments": segments, "num_searches": stop,
-            "dead_end": dead_end}
+            "response": "".join(t for _, t in segments), "segments": segments,
+            "num_searches": sum(kind == INFORMATION for kind, _ in segments), "dead_end": dead_end,
+            "revision": revision_prompt is not None}
 
 
 def make_warmstart(world: World, *, dead_end_fraction: float = 0.2, seed: int = 0, retriever=None,
-                   topk: int = 3, examples=None, dead_end_stop: str = "any_hop") -> list[dict]:
+                   topk: int = 3, examples=None, dead_end_stop: str = "any_hop", revision_fraction: float = 0.0,
+                   revision_prompts=None) -> list[dict]:
     """Trajectories for `examples` (default: the train split), deterministic given `seed`.
 
-    Exactly round(dead_end_fraction * n) of them are dead ends (chosen at random). `retriever` defaults
-    to `WorldRetriever` over the world's corpus; pass the run's retriever so that the observations
-    match what the policy will see (the think/answer text follows the world's facts either way).
+    Exactly round(dead_end_fraction * n) of them are dead ends and round(revision_fraction * n) others
+    are revision trajectories (both chosen at random; the rest are correct). A revision trajectory's
+    prompt is drawn uniformly from `revision_prompts` (default: the gin-configured pool,
+    rexrag_jax.rl.prompt_pool.revision_prompts()). `retriever` defaults to `WorldRetriever` over the
+    world's corpus; pass the run's retriever so that the observations match what the policy will see.
     """
-    if not 0.0 <= dead_end_fraction <= 1.0:
-        raise ValueError(f"dead_end_fraction must be in [0, 1], got {dead_end_fraction}")
+    for name, v in (("dead_end_fraction", dead_end_fraction), ("revision_fraction", revision_fraction)):
+        if not 0.0 <= v <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {v}")
+    if dead_end_fraction + revision_fraction > 1.0:
+        raise ValueError(f"dead_end_fraction + revision_fraction = {dead_end_fraction + revision_fraction} > 1")
     examples = world.train if examples is None else examples
     retriever = retriever or WorldRetriever(world.corpus_rows())
     rng = random.Random(seed)
     n_dead = round(dead_end_fraction * len(examples))
     dead = set(rng.sample(range(len(examples)), n_dead))
-    return [make_trajectory(world, ex, retriever, dead_end=i in dead, rng=rng, topk=topk, dead_end_stop=dead_end_stop)
+    revision = set()
+    if revision_fraction > 0:
+        if revision_prompts is None:
+            from rexrag_jax.rl.prompt_pool import revision_prompts as pool
+            revision_prompts = pool()
+        rest = [i for i in range(len(examples)) if i not in dead]
+        revision = set(rng.sample(rest, min(len(rest), round(revision_fraction * len(examples)))))
+    return [make_trajectory(world, ex, retriever, dead_end=i in dead, rng=rng, topk=topk, dead_end_stop=dead_end_stop,
+                            revision_prompt=rng.choice(list(revision_prompts)) if i in revision else None)
             for i, ex in enumerate(examples)]
 
 

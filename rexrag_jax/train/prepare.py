@@ -113,3 +113,26 @@ def mini_batches(arrays: dict[str, np.ndarray], mini_batch: int, micro_batch: in
             mb[k] = part.reshape((mini_batch // micro_batch, micro_batch) + a.shape[1:])
         out.append(mb)
     return out
+
+
+def group_diagnostics(group_ids: np.ndarray, is_probe: np.ndarray, correct: np.ndarray,
+                      kept_probes: np.ndarray) -> dict:
+    """Per-step probe diagnostics (REX-RAG's mechanism, logged to TensorBoard `groups/*`, `probes/*`):
+
+      groups/all_fail          share of questions whose originals all failed (EM 0): GRPO's zero-signal groups
+      groups/rescued           share of questions whose originals all failed and a *kept* probe succeeded
+                               (the group gets an advantage signal only because of the probe)
+      probes/success_created   EM of every probe created this step (NaN when none)
+      probes/success_kept      EM of the kept probes (NaN when none)
+    """
+    gid, probe = np.asarray(group_ids), np.asarray(is_probe, bool)
+    correct = np.asarray(correct, np.float32)
+    kept = np.zeros(len(gid), bool)
+    kept[np.asarray(kept_probes, int)] = True
+    groups = np.unique(gid[~probe])
+    all_fail = {g for g in groups if not correct[(gid == g) & ~probe].any()}
+    rescued = {g for g in all_fail if correct[(gid == g) & kept].any()}
+    n = max(len(groups), 1)
+    return {"groups/all_fail": len(all_fail) / n, "groups/rescued": len(rescued) / n,
+            "probes/success_created": float(correct[probe].mean()) if probe.any() else float("nan"),
+            "probes/success_kept": float(correct[kept].mean()) if kept.any() else float("nan")}

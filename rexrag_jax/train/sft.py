@@ -1,7 +1,8 @@
 """Supervised warm start on trajectories in the exact rollout format (SPEC §1), for the demo policy.
 
 A warm-start record (rexrag_jax.data.warmstart) is a prompt plus `segments` [[kind, text], ...] with
-kind "response" (model tokens: in the loss) or "information" (observation: context only). Tokens are
+kind "response" (model tokens: in the loss), "information" (observation), "context" (model text, not
+learnt) or "probe" (inserted revision prompt, not learnt); only "response" is in the loss. Tokens are
 laid out exactly as the rollout loop lays them out:
 
     encode(render_prompt(q)) + encode(response_1) + encode(obs_1) + encode(response_2) + ...
@@ -29,6 +30,7 @@ import numpy as np
 import optax
 
 from rexrag_jax.data.prompts import render_prompt
+from rexrag_jax.data.warmstart import SEGMENT_KINDS
 from rexrag_jax.models.qwen2 import model as qwen2
 from rexrag_jax.models.qwen2.config import Qwen2Config
 
@@ -51,10 +53,11 @@ def encode_record(tokenizer, record: dict, where: str = "record") -> tuple[list[
     tokens = tokenizer.encode(render_prompt(tokenizer, record["question"]))
     mask = [False] * len(tokens)
     for i, seg in enumerate(record["segments"]):
-        if not (isinstance(seg, (list, tuple)) and len(seg) == 2 and seg[0] in ("response", "information")):
-            raise ValueError(f"{where}: segments[{i}] = {str(seg)[:60]!r}; expected [\"response\"|\"information\", text]")
+        if not (isinstance(seg, (list, tuple)) and len(seg) == 2 and seg[0] in SEGMENT_KINDS):
+            raise ValueError(f"{where}: segments[{i}] = {str(seg)[:60]!r}; expected [kind, text] with kind one of "
+                             f"{', '.join(SEGMENT_KINDS)}")
         kind, text = seg
-        piece = tokenizer.encode(text if kind == "response" else normalise_observation(text))
+        piece = tokenizer.encode(normalise_observation(text) if kind == "information" else text)
         tokens += piece
         mask += [kind == "response"] * len(piece)
     return tokens, mask

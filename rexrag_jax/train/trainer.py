@@ -69,6 +69,8 @@ class TrainConfig:
     temperature: float = 1.0          # log-probs use logits / temperature (as sampled)
     logprob_chunk: int = 512          # positions per chunk of the log-softmax (0: full logits)
     use_probes: bool = True           # False: plain GRPO (the ablation)
+    policy_correction: bool = True    # False: behaviour = π_old for every token, probes included (the
+                                      # paper's "w/o policy correction" ablation)
     initial_keep_ratio: float = INITIAL_KEEP_RATIO
     keep_ratio_decay: float = 0.9
     structure_format_score: float = 0.0
@@ -122,11 +124,13 @@ def _pad_rows(x: np.ndarray, n_pad: int, fill=0) -> np.ndarray:
     return np.concatenate([x, np.full((n_pad,) + x.shape[1:], fill, x.dtype)]) if n_pad else x
 
 
-def rl_update_math(rewards, correct, group_ids, old_logp, loss_mask, is_probe, probe_start, probe_len, pool_logp):
+def rl_update_math(rewards, correct, group_ids, old_logp, loss_mask, is_probe, probe_start, probe_len, pool_logp,
+                   correction: bool = True):
     """(advantages [N], behaviour log-probs [N, T], α, err) of the kept rows, as float32 numpy.
 
     The formulas live in rexrag_jax.rl (group_advantages, behaviour_logprobs, batch_alpha_err); this only
-    pads N to a multiple of ROW_BUCKET so their jitted versions compile for few shapes.
+    pads N to a multiple of ROW_BUCKET so their jitted versions compile for few shapes. correction=False
+    is the ablation without the policy correction: behaviour = π_old on every loss-masked token.
     """
     n = len(rewards)
     pad = -(-n // ROW_BUCKET) * ROW_BUCKET - n
@@ -135,6 +139,9 @@ def rl_update_math(rewards, correct, group_ids, old_logp, loss_mask, is_probe, p
     adv = np.asarray(_group_advantages(_pad_rows(np.asarray(rewards, np.float32), pad),
                                        np.concatenate([gid, pad_gid])))[:n]
     alpha, err = _batch_alpha_err(np.asarray(is_probe, bool), np.asarray(correct, np.float32))  # exact N: counts
+    if not correction:
+        behaviour = np.where(np.asarray(loss_mask, bool), np.asarray(old_logp, np.float32), 0.0)
+        return adv.astype(np.float32), behaviour.astype(np.float32), float(alpha), float(err)
     behaviour = np.asarray(_behaviour_logprobs(
         _pad_rows(old_logp, pad), _pad_rows(loss_mask, pad, False), _pad_rows(is_probe, pad, False),
         _pad_rows(probe_start, pad), _pad_rows(probe_len, pad), _pad_rows(pool_logp, pad), alpha, err))[:n]
@@ -357,7 +364,8 @@ class Trainer:
                 ref_logp = self._rows(self._ref_logprob, self.ref_params, kb.tokens, kb.attention_mask)[0]
         pool_logp = self.pool.logprob_matrix(kb.tokens, kb.is_probe, kb.probe_start, kb.probe_len)
         adv, behaviour, alpha, err = rl_update_math(rew_k, cor_k, kb.group_ids, old_k, kb.loss_mask, kb.is_probe,
-                                                    kb.probe_start, kb.probe_len, pool_logp)
+                                                    kb.probe_start, kb.probe_len, pool_logp,
+                                                    correction=cfg.policy_correction)
         arrays = {"tokens": kb.tokens, "attention_mask": kb.attention_mask, "loss_mask": kb.loss_mask,
                   "behaviour_logp": behaviour, "advantages": adv, "is_probe": kb.is_probe}
         if ref_logp is not None:
@@ -366,6 +374,7 @@ class Trainer:
         self.keep_ratio = prepare.next_keep_ratio(self.keep_ratio, rewards[kept_probes], cfg.keep_ratio_decay)
         metrics = self._batch_metrics(batch, kb, rewards, correct, rew_k, ent_k, kept_probes, alpha, err)
         metrics.update({"keep_ratio": self.keep_ratio, "probes/created": int(batch.is_probe.sum())})
+        metrics.update(prepare.group_diagnostics(batch.group_ids, batch.is_probe, correct, kept_probes))
         return arrays, metrics
 
     def _after_update(self, batch, rewards) -> dict:

@@ -230,3 +230,56 @@ def test_oracle_through_evaluate_scores_100(world, tmp_path):
     assert summary.per_source == {f"synth_{h}hop": {"n": 20, "em": 1.0} for h in (1, 2, 3)}
     assert [r["response"].count("<search>") for r in records] == [len(world.hops(e.id)) for e in world.test]
     assert "synth_3hop" in format_table(summary)
+
+
+def test_revision_trajectories_are_a_probe_cut_plus_a_correct_continuation(world):
+    """A revision record = a dead end cut where a probe cuts it (text before <answer>), one pool prompt, then
+    the correct continuation; only the continuation is "response" (learnt)."""
+    from rexrag_jax.rl.prompt_pool import revision_prompts
+
+    pool = revision_prompts()
+    trajs = make_warmstart(world, dead_end_fraction=0.25, revision_fraction=0.2, seed=3)
+    n = len(world.train)
+    rev = [t for t in trajs if t["revision"]]
+    assert len(rev) == round(0.2 * n) and sum(t["dead_end"] for t in trajs) == round(0.25 * n)
+    assert not any(t["revision"] and t["dead_end"] for t in trajs)
+    retriever = WorldRetriever(world.corpus_rows())
+    cut_points = set()
+    for t in rev:
+        kinds = [k for k, _ in t["segments"]]
+        p = kinds.index("probe")
+        assert kinds.count("probe") == 1 and t["segments"][p][1] in pool
+        # before the prompt: context only (dead-end searches + the dead end's think, its <answer> removed)
+        assert set(kinds[:p]) <= {"context", "information"} and kinds[p - 1] == "context"
+        assert re.fullmatch(r"<think> [^<]+ </think>", t["segments"][p - 1][1])
+        assert "<answer>" not in "".join(text for _, text in t["segments"][:p])
+        # after it: the continuation closes the prompt's think and searches the next hop, then answers right
+        assert kinds[p + 1] == "response" and set(kinds[p + 1:]) <= {"response", "information"}
+        hops = world.hops(t["id"])
+        j = kinds[:p].count("information")
+        cut_points.add(j)
+        subj, rel, _ = hops[j]
+        assert t["segments"][p + 1][1] == f" I need the {rel} of {subj}. </think><search> {subj} {rel} </search>"
+        assert t["num_searches"] == len(hops)
+        queries = re.findall(r"<search> (.*?) </search>", t["response"])
+        assert queries == [f"{s} {r}" for s, r, _ in hops]
+        assert [x for k, x in t["segments"] if k == "information"] == [observation(h) for h in retriever.search(queries, 3)]
+        assert compute_reward(t["response"], t["golden_answers"]) == 1.0
+    assert cut_points == {0, 1, 2}  # dead ends before any search and after 1 or 2 hops
+    # dead ends and correct trajectories of the other questions are as without revisions
+    with pytest.raises(ValueError, match="revision_fraction"):
+        make_warmstart(world, dead_end_fraction=0.9, revision_fraction=0.2)
+
+
+def test_revision_segments_are_masked_in_sft(world, tmp_path):
+    from rexrag_jax.tokenizers import load_tokenizer, train_sentencepiece
+    from rexrag_jax.train.sft import encode_record
+
+    trajs = make_warmstart(world, dead_end_fraction=0.0, revision_fraction=1.0, seed=0, examples=world.train[:40])
+    tok = load_tokenizer(train_sentencepiece([t["response"] for t in trajs] + [r["contents"] for r in world.corpus_rows()],
+                                             str(tmp_path / "sp"), 500))
+    for t in trajs[:10]:
+        toks, mask = encode_record(tok, t)
+        learnt = [x for x, m in zip(toks, mask) if m]
+        expect = [x for k, text in t["segments"] if k == "response" for x in tok.encode(text)]
+        assert learnt == expect  # exactly the response segments, nothing of the prefix or the prompt

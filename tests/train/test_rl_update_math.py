@@ -33,3 +33,39 @@ def test_rl_update_math_matches_unpadded(n):
     np.testing.assert_allclose(beh, want_beh, rtol=1e-5, atol=1e-6)
     assert alpha == pytest.approx(float(want_alpha)) and err == pytest.approx(float(want_err))
     assert alpha == pytest.approx(is_probe.mean())  # the padding did not count as rows
+
+
+def test_without_correction_behaviour_is_old_logp():
+    """The "w/o policy correction" ablation: behaviour = π_old on every loss-masked token (probes too),
+    same advantages, α and err as with the correction."""
+    rng = np.random.default_rng(0)
+    n, t = 6, 12
+    old = rng.normal(-2, 0.5, (n, t)).astype(np.float32)
+    mask = rng.random((n, t)) < 0.8
+    is_probe = np.array([0, 0, 0, 0, 1, 1], bool)
+    args = (np.array([1, 0, 0, 1, 1, 0], np.float32), np.array([1, 0, 0, 1, 1, 0], np.float32),
+            np.array([0, 0, 1, 1, 0, 1]), old, mask, is_probe, np.array([-1, -1, -1, -1, 4, 5]),
+            np.array([0, 0, 0, 0, 3, 2]), np.where(mask, -1.0, 0.0).astype(np.float32))
+    a1, b1, al1, e1 = rl_update_math(*args)
+    a0, b0, al0, e0 = rl_update_math(*args, correction=False)
+    np.testing.assert_array_equal(a0, a1)
+    assert (al0, e0) == (al1, e1) == (pytest.approx(2 / 6), pytest.approx(0.5))
+    np.testing.assert_array_equal(b0, np.where(mask, old, 0.0))
+    assert not np.allclose(b1[mask], old[mask])  # the correction does change the behaviour
+
+
+def test_group_diagnostics_hand_computed():
+    from rexrag_jax.train.prepare import group_diagnostics
+
+    # 3 questions x 2 originals, then 3 probes: q0 mixed, q1 all-fail rescued by kept probe 7,
+    # q2 all-fail with a successful probe that was *not* kept (8) and a kept failed one (6)
+    gid = np.array([0, 0, 1, 1, 2, 2, 2, 1, 2])
+    probe = np.array([0, 0, 0, 0, 0, 0, 1, 1, 1], bool)
+    correct = np.array([1, 0, 0, 0, 0, 0, 0, 1, 1], np.float32)
+    d = group_diagnostics(gid, probe, correct, kept_probes=np.array([6, 7]))
+    assert d["groups/all_fail"] == pytest.approx(2 / 3)
+    assert d["groups/rescued"] == pytest.approx(1 / 3)
+    assert d["probes/success_created"] == pytest.approx(2 / 3)
+    assert d["probes/success_kept"] == pytest.approx(1 / 2)
+    none = group_diagnostics(gid[:6], probe[:6], correct[:6], kept_probes=np.array([], int))
+    assert none["groups/rescued"] == 0 and np.isnan(none["probes/success_created"]) and np.isnan(none["probes/success_kept"])
