@@ -49,9 +49,10 @@ def build_settings(corpus_path: str = gin.REQUIRED, index_dir: str = gin.REQUIRE
 
 @gin.configurable("serve", module="retrieval")
 def serve_settings(host: str = "127.0.0.1", port: int = 8000, searcher: str | None = None,
-                   max_queries: int = 4096, max_topk: int = 100, max_batch_queries: int = 512):
+                   max_queries: int = 4096, max_topk: int = 100, max_batch_queries: int = 512, default_topk: int = 3):
     return dict(host=host, port=port, searcher=searcher,
-                limits=ServerLimits(max_queries=max_queries, max_topk=max_topk, max_batch_queries=max_batch_queries))
+                limits=ServerLimits(max_queries=max_queries, max_topk=max_topk, max_batch_queries=max_batch_queries,
+                                    default_topk=default_topk))
 
 
 def _parse(argv, prog, extra):

@@ -1,6 +1,8 @@
 """Search-R1 compatible retrieval server: `POST /retrieve` (SPEC §7), stdlib only.
 
-Request  `{"queries": [str], "topk": int = 3, "return_scores": bool = false}`
+Request  `{"queries": [str], "topk": int = 3, "return_scores": bool = false}`; a missing, null or 0 topk
+means the server's default top-k (ServerLimits.default_topk, 3), as Search-R1's server does
+(`if not request.topk: request.topk = config.retrieval_topk`).
 Response `{"result": [[{"document": {"id", "contents"}, "score": float}, ...] per query]}`, or bare
 documents per query when return_scores is false. `GET /health` -> `{"status": "ok", "count": N}`.
 
@@ -24,6 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 class ServerLimits:
     max_queries: int = 4096          # per request; Search-R1 sends a whole turn's batch (512 x 5 = 2560)
     max_topk: int = 100
+    default_topk: int = 3            # answers a request whose topk is missing, null or 0
     max_query_chars: int = 8192
     max_body_bytes: int = 8 << 20
     max_batch_queries: int = 512     # per micro-batch of concurrent requests
@@ -67,11 +70,11 @@ def parse_request(body: bytes, limits: ServerLimits) -> tuple[list[str], int, bo
             raise BadRequest(400, f"queries[{i}] contains an unpaired surrogate escape (not valid Unicode)") from None
         if len(q) > limits.max_query_chars:
             raise BadRequest(413, f"queries[{i}] has {len(q)} characters, at most {limits.max_query_chars} allowed")
-    topk = req.get("topk", 3)
-    if topk is None:
-        topk = 3
-    if isinstance(topk, bool) or not isinstance(topk, int):
+    topk = req.get("topk")
+    if isinstance(topk, bool) or not isinstance(topk, (int, type(None))):
         raise BadRequest(400, f"field 'topk' must be an integer, got {json.dumps(topk)}")
+    if not topk:  # missing, null or 0 -> the server's default (Search-R1: `if not request.topk`)
+        topk = limits.default_topk
     if not 1 <= topk <= limits.max_topk:
         raise BadRequest(400, f"field 'topk' must be in [1, {limits.max_topk}], got {topk}")
     rs = req.get("return_scores", False)

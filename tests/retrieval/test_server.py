@@ -69,7 +69,7 @@ def test_http_client_equals_local_client(url, local):
     (b'{"queries": []}', 400, "is empty"),
     (b'{"queries": ["a", 3]}', 400, r"queries\[1\] must be a string"),
     (b'{"queries": ["a", "  "]}', 400, r"queries\[1\] is empty"),
-    (b'{"queries": ["a"], "topk": 0}', 400, "'topk' must be in"),
+    (b'{"queries": ["a"], "topk": -1}', 400, "'topk' must be in"),
     (b'{"queries": ["a"], "topk": 101}', 400, "'topk' must be in"),
     (b'{"queries": ["a"], "topk": "3"}', 400, "'topk' must be an integer"),
     (b'{"queries": ["a"], "return_scores": "yes"}', 400, "'return_scores'"),
@@ -85,6 +85,24 @@ def test_bad_requests_get_4xx_and_server_keeps_serving(url, body, status, msg):
     assert got == status and re.search(msg, out["error"]), out
     ok, res = post(url, json.dumps({"queries": ["still alive"], "topk": 1}).encode())
     assert ok == 200 and len(res["result"][0]) == 1
+
+
+@pytest.mark.parametrize("body", [b'{"queries": ["capital of france"], "topk": 0}',
+                                  b'{"queries": ["capital of france"]}',
+                                  b'{"queries": ["capital of france"], "topk": null}'])
+def test_topk_zero_or_missing_means_default_topk(url, body):
+    """Search-R1's server: `if not request.topk: request.topk = config.retrieval_topk` (3 by default)."""
+    status, out = post(url, body)
+    assert status == 200 and len(out["result"][0]) == 3, out
+
+
+def test_parse_request_default_topk_is_configurable():
+    from rexrag_jax.retrieval.server import parse_request
+
+    limits = ServerLimits(default_topk=5)
+    assert parse_request(b'{"queries": ["a"], "topk": 0}', limits)[1] == 5
+    assert parse_request(b'{"queries": ["a"]}', limits)[1] == 5
+    assert parse_request(b'{"queries": ["a"], "topk": 2}', limits)[1] == 2
 
 
 def test_unknown_path_is_404(url):
