@@ -8,6 +8,13 @@ Field mapping, first present wins:
                  sequences_str, trajectory, text, prediction, pred
   data_source    data_source, source, dataset; else inferred from the dump's file name; else "unknown"
   id             id, idx, qid, uid, _id (absent -> "{file stem}-{row}")
+FlashRAG / Search-R1 output files (`intermediate_data.json`, a JSON list, or jsonl) keep the model's
+output in a dict `output`: {"final_response" | "raw_pred" | "response": text, "pred": extracted answer,
+"metric_score": {"em": ..., ...}, "stop_reason": ...}. The response is the first text field of that
+dict; with none, `pred` is taken as the already extracted answer (record "response" None, "pred" set).
+The file's own score is kept as "stored_em" (metric_score em, else acc) and its answer as "stored_pred",
+so `rexrag eval --rescore` can print both EMs and flag disagreements. data_source for such files, when
+the rows carry none, also comes from the parent directory name (FlashRAG's `{dataset}_{date}_{method}/`).
 A response holding the whole rendered prompt is cut to the model's part: after the first
 "<|im_start|>assistant", or after the line "... For example, <answer> Beijing </answer>. Question: {q}"
 of a bare SPEC prompt, so that example is never taken for the model's answer.
@@ -25,6 +32,8 @@ RESPONSE_FIELDS = ("response", "response_text", "output", "generated_text", "com
 DUMP_ANSWER_FIELDS = ANSWER_FIELDS[:3] + ("golds", "gold") + ANSWER_FIELDS[3:]
 SOURCE_FIELDS = ("data_source", "source", "dataset")
 ID_FIELDS = ("id", "idx", "qid", "uid", "_id")
+FLASHRAG_RESPONSE_FIELDS = ("final_response", "raw_pred", "response", "generated_text")
+FLASHRAG_SCORE_FIELDS = ("em", "acc")
 _ASSISTANT = "<|im_start|>assistant"
 _PROMPT_EXAMPLE = "For example, <answer> Beijing </answer>."
 
@@ -71,16 +80,22 @@ def read_trajectory_dump(path, data_source: str | None = None) -> list[dict]:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"trajectory dump not found: {path}")
-    file_source = canonical_source(data_source) if data_source else infer_data_source(path)
+    file_source = canonical_source(data_source) if data_source else (
+        infer_data_source(path) or infer_data_source(os.path.basename(os.path.dirname(os.path.abspath(path)))))
     stem = os.path.splitext(os.path.basename(path))[0]
     out = []
     for i, (where, row) in enumerate(_dump_rows(path)):
         if not isinstance(row, dict):
             raise QADataError(f"{where}: expected an object, got {type(row).__name__}")
-        rfield, response = _first(row, RESPONSE_FIELDS)
-        if not isinstance(response, str):
-            raise QADataError(f"{where}: no response text: expected a string in one of {RESPONSE_FIELDS}; "
-                              f"fields present: {sorted(row)}")
+        stored = _flashrag_output(row["output"], where) if isinstance(row.get("output"), dict) else {}
+        if stored:
+            response = stored.pop("response")
+        else:
+            _, response = _first(row, RESPONSE_FIELDS)
+            if not isinstance(response, str):
+                raise QADataError(f"{where}: no response text: expected a string in one of {RESPONSE_FIELDS} "
+                                  f"(or a FlashRAG `output` dict with one of {FLASHRAG_RESPONSE_FIELDS} or "
+                                  f"'pred'); fields present: {sorted(row)}")
         gfield, golds = _first(row, DUMP_ANSWER_FIELDS)
         if gfield is None:
             raise QADataError(f"{where}: no gold answers: expected one of {DUMP_ANSWER_FIELDS}; "
@@ -97,6 +112,27 @@ def read_trajectory_dump(path, data_source: str | None = None) -> list[dict]:
             canonical_source(source) if isinstance(source, str) and source else file_source or "unknown")
         _, ident = _first(row, ID_FIELDS)
         extra = {k: v for k, v in row.items() if k not in ("prediction", "em")}
-        out.append({**extra, "id": f"{stem}-{i}" if ident in (None, "") else str(ident), "question": question,
-                    "golden_answers": golds, "data_source": source, "response": strip_prompt(response)})
+        out.append({**extra, **stored, "id": f"{stem}-{i}" if ident in (None, "") else str(ident),
+                    "question": question, "golden_answers": golds, "data_source": source,
+                    "response": None if response is None else strip_prompt(response)})
     return out
+
+
+def _flashrag_output(output: dict, where: str) -> dict:
+    """{"response": text or None, "pred": str (when no text), "stored_em": float | None, "stored_pred": ...}
+    from a FlashRAG `output` dict (see module docstring)."""
+    _, response = _first(output, FLASHRAG_RESPONSE_FIELDS)
+    pred = output.get("pred")
+    if not isinstance(response, str) and not isinstance(pred, str):
+        raise QADataError(f"{where}: no response text: the FlashRAG `output` dict has no string in "
+                          f"{FLASHRAG_RESPONSE_FIELDS} and no string 'pred'; its fields: {sorted(output)}")
+    scores = output.get("metric_score")
+    stored_em = None
+    if isinstance(scores, dict):
+        _, stored_em = _first(scores, FLASHRAG_SCORE_FIELDS)
+    rec = {"response": response if isinstance(response, str) else None,
+           "stored_em": float(stored_em) if isinstance(stored_em, (int, float)) else None,
+           "stored_pred": pred if isinstance(pred, str) else None}
+    if rec["response"] is None:
+        rec["pred"] = pred
+    return rec

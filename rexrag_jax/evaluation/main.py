@@ -1,6 +1,8 @@
 """`rexrag eval`: greedy evaluation of a policy over benchmark files, or re-scoring of trajectory dumps.
 
     rexrag eval --rescore dump.jsonl [more.json ...] [--out scored.jsonl] [--summary-json s.json]
+                (also FlashRAG / Search-R1 output files as published, e.g. intermediate_data.json: our EM is
+                printed next to the file's stored score per source, and rows where they differ are listed)
     rexrag eval --data nq_test_1k.jsonl hotpotqa_dev_500.jsonl --checkpoint CKPT
                 (--retriever-url URL | --corpus CORPUS.jsonl [--index-dir DIR])
                 [--limit 100] [--batch-size 64] [--out trajectories.jsonl]
@@ -63,6 +65,19 @@ def _load_examples(args):
     return examples
 
 
+def _print_disagreements(records, limit: int = 20) -> None:
+    """One line per re-scored row whose stored score (e.g. FlashRAG's metric_score em) differs from ours."""
+    bad = [r for r in records if r.get("agrees") is False]
+    if not bad:
+        return
+    print(f"{len(bad)} row(s) where our EM differs from the file's stored score:")
+    for r in bad[:limit]:
+        print(f"  {r['id']} ({r['data_source']}): ours {r['em']:.0f} pred {r['prediction']!r}; "
+              f"stored {r['stored_em']:g} pred {r.get('stored_pred')!r}; golds {r['golden_answers']}")
+    if len(bad) > limit:
+        print(f"  ... {len(bad) - limit} more (see --out: field 'agrees')")
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -86,6 +101,7 @@ def main(argv=None) -> int:
         print(f"rexrag eval: {e}", file=sys.stderr)
         return 2
     print(format_table(summary))
+    _print_disagreements(records if args.rescore else [])
     if args.out:
         print(f"wrote {len(records)} trajectories to {args.out}")
     if args.summary_json:

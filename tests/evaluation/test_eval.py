@@ -170,3 +170,61 @@ def test_data_mode_reports_missing_wiring(shared_data, monkeypatch, capsys):
     monkeypatch.setattr(eval_main, "build_generate_fn", not_wired)
     assert eval_main.main(["--data", str(shared_data / "benchmarks" / "bamboogle_test.jsonl")]) == 2
     assert "not wired" in capsys.readouterr().err
+
+
+def _flashrag_row(i, question, golds, final_response, pred, em, **extra):
+    return {"id": f"test_{i}", "question": question, "golden_answers": golds, "metadata": {},
+            "output": {"final_response": final_response, "pred": pred, "stop_reason": "answer",
+                       "metric_score": {"em": em, "f1": em, "acc": em}, **extra}}
+
+
+def test_rescore_flashrag_search_r1_files(tmp_path, capsys):
+    """FlashRAG-format output files as published: `output` dict with final_response / pred / metric_score;
+    a JSON list under a `{dataset}_{date}_{method}/` dir and a jsonl with data_source per row."""
+    run = tmp_path / "nq_2025_01_01_search-r1"
+    run.mkdir()
+    rows = [
+        _flashrag_row(0, "capital of france?", ["Paris"],
+                      "<think> easy </think>\n<answer> Paris </answer>", "Paris", 1.0),
+        # the file's stored score disagrees with our EM (the stored metric counted a near miss)
+        _flashrag_row(1, "who wrote hamlet?", ["William Shakespeare"],
+                      "<search> hamlet author </search>\n\n<information>Doc 1(Title: Hamlet) ...</information>\n\n"
+                      "<answer> Shakespeare </answer>", "Shakespeare", 1.0),
+        # no generated text kept: `pred` is the extracted answer
+        {"id": "test_2", "question": "largest planet?", "golden_answers": ["Jupiter"],
+         "output": {"pred": "jupiter", "metric_score": {"em": 1.0}}},
+    ]
+    (run / "intermediate_data.json").write_text(json.dumps(rows))
+    hotpot = tmp_path / "preds.jsonl"
+    hotpot.write_text("\n".join(json.dumps({**r, "data_source": "hotpotqa"}) for r in [
+        _flashrag_row(0, "q", ["Oslo"], "<answer> Oslo </answer>", "Oslo", 1.0),
+        _flashrag_row(1, "q", ["Bern"], "<answer> Zurich </answer>", "Zurich", 0.0)]) + "\n")
+    recs = read_trajectory_dump(run / "intermediate_data.json")
+    assert [r["data_source"] for r in recs] == ["nq"] * 3
+    assert recs[0]["response"].endswith("<answer> Paris </answer>") and recs[0]["stored_em"] == 1.0
+    assert recs[2]["response"] is None and recs[2]["pred"] == "jupiter"
+    out, summary_path = tmp_path / "scored.jsonl", tmp_path / "summary.json"
+    rc = eval_main.main(["--rescore", str(run / "intermediate_data.json"), str(hotpot), "--out", str(out),
+                         "--summary-json", str(summary_path)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    scored = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["em"] for r in scored] == [1.0, 0.0, 1.0, 1.0, 0.0]
+    assert [r["agrees"] for r in scored] == [True, False, True, True, True]
+    summary = json.loads(summary_path.read_text())["per_source"]
+    assert summary["nq"] == {"n": 3, "em": pytest.approx(2 / 3), "stored_em": 1.0, "stored_n": 3, "disagree": 1}
+    assert summary["hotpotqa"]["stored_em"] == 0.5 and summary["hotpotqa"]["disagree"] == 0
+    lines = {line.split()[0] if line.split()[0] != "stored" else "stored": line for line in printed.splitlines()
+             if line.strip()}
+    assert lines["EM"].split()[1] == "66.7" and lines["stored"].split()[2] == "100.0"   # nq: ours vs file's
+    assert lines["disagree"].split()[1] == "1!"
+    assert "test_1 (nq): ours 0 pred 'Shakespeare'; stored 1 pred 'Shakespeare'" in printed
+    assert "1 row(s) where our EM differs" in printed
+
+
+def test_rescore_flashrag_row_without_text_or_pred_is_a_clear_error(tmp_path, capsys):
+    dump = tmp_path / "nq.json"
+    dump.write_text(json.dumps([{"question": "q", "golden_answers": ["a"], "output": {"metric_score": {"em": 0}}}]))
+    assert eval_main.main(["--rescore", str(dump)]) == 2
+    err = capsys.readouterr().err
+    assert "row 0: no response text" in err and "final_response" in err
