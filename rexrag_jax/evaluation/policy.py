@@ -56,7 +56,7 @@ def restrict_vocab(params: dict, cfg, vocab_size: int):
 
 def _run_config(run_dir: str, gin_files: Sequence[str], gin_params: Sequence[str]):
     """Parse the run's gin (operative_config.gin, else config.gin, unless gin_files are given)."""
-    from rexrag_jax.train.main import parse_gin
+    from rexrag_jax.config import parse_gin
 
     files = list(gin_files)
     if not files:

@@ -62,21 +62,15 @@ def evaluate(examples: Sequence[QAExample], generate_fn: GenerateFn, *, batch_si
 
 # ---------------------------------------------------------------------------------------------------
 # WIRING POINT (model-running path). Everything above is model-free and tested; this function is the
-# one place that turns a policy checkpoint + retriever into a generate_fn, via rexrag_jax.rollout
+# one place that turns a policy checkpoint + retriever into a generate_fn, via evaluation/policy.py
 # (imported lazily so `rexrag eval --rescore` never imports JAX models).
 # ---------------------------------------------------------------------------------------------------
 def build_generate_fn(**model_kwargs) -> GenerateFn:
     """generate_fn for greedy, probe-free rollouts (SPEC §1 loop: 500 tokens/turn, top-3, max 5 turns).
 
-    Expects `rexrag_jax.rollout.make_eval_generate_fn(**model_kwargs) -> generate_fn`; model_kwargs come
-    from `rexrag eval` (checkpoint, tokenizer, gin files/params, retriever url or corpus, ...).
+    `rexrag_jax.evaluation.policy.make_eval_generate_fn(**model_kwargs)`; model_kwargs come from
+    `rexrag eval` (checkpoint, tokenizer, gin files/params, retriever url or corpus, ...).
     """
-    try:
-        from rexrag_jax import rollout
-    except ImportError as e:  # pragma: no cover - depends on the rollout package being present
-        raise NotImplementedError(f"model evaluation needs rexrag_jax.rollout ({e})") from e
-    make = getattr(rollout, "make_eval_generate_fn", None)
-    if make is None:
-        raise NotImplementedError("rexrag_jax.rollout.make_eval_generate_fn is not wired yet; "
-                                  "use `rexrag eval --rescore DUMP` to score existing trajectories")
-    return make(**model_kwargs)
+    from rexrag_jax.evaluation.policy import make_eval_generate_fn
+
+    return make_eval_generate_fn(**model_kwargs)

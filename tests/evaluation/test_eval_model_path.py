@@ -12,7 +12,7 @@ import pytest
 from rexrag_jax.evaluation import main as eval_main
 from rexrag_jax.models.qwen2 import model as qwen2
 from rexrag_jax.models.qwen2.config import Qwen2Config
-from rexrag_jax.rollout.eval_fn import load_policy, restrict_vocab
+from rexrag_jax.evaluation.policy import load_policy, restrict_vocab
 
 FILES = ("nq_test_1k.jsonl", "hotpotqa_dev_500.jsonl")
 LIMIT = 3
@@ -134,7 +134,7 @@ def test_greedy_responses_match_a_plain_forward_decode(world):
     """First turn of the eval rollout == greedy decoding by repeated full forwards (no cache)."""
     from rexrag_jax.data.prompts import render_prompt
     from rexrag_jax.data.schema import QAExample
-    from rexrag_jax.rollout import make_eval_generate_fn
+    from rexrag_jax.evaluation.policy import make_eval_generate_fn
 
     class NoRetriever:
         def search(self, queries, topk):

@@ -1,0 +1,140 @@
+"""benchmarks/replication.py --quick: the plumbing of the three-arm replication (not the effect).
+
+One tiny world, the three arms (GRPO, REX-RAG without the correction, REX-RAG), the JSON shape, the
+printed intervals, resume at the arm a killed run was on, and the bad-input refusals.
+"""
+import importlib.util
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("replication", os.path.join(ROOT, "benchmarks", "replication.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+replication = _load()
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("rep") / "run")
+    out = root + ".json"
+    rc = replication.main(["--quick", "--seeds", "0", "--run_root", root, "--json_out", out])
+    return rc, root, out
+
+
+def test_quick_replication_writes_the_json_shape(quick, capsys):
+    rc, root, out = quick
+    assert rc == 0
+    res = json.load(open(out))
+    assert res == json.load(open(os.path.join(root, "results.json")))
+    assert res["command"].startswith("python benchmarks/replication.py") and res["commit"]
+    assert res["wall_seconds"] > 0
+    (world,) = res["worlds"]
+    assert world["seed"] == 0
+    ws = world["warm_start"]
+    for k in ("probe_success", "fresh_success"):
+        assert 0.0 <= ws[k] <= 1.0
+    assert ws["n_fresh"] == ws["n_questions"] * 4  # group_size samples per greedy-wrong question
+    assert set(world["arms"]) == {"grpo", "rexrag_nocorr", "rexrag"}
+    before = {a["em_before"] for a in world["arms"].values()}
+    assert len(before) == 1  # one warm start for the three arms
+    for name, arm in world["arms"].items():
+        assert arm["n_heldout"] == 30 and arm["rl_steps"] == 2
+        assert set(arm["em_after_per_hop"]) == {"1hop", "2hop", "3hop"}
+        # EM after = the per-question dump's mean
+        rows = [json.loads(line) for line in open(os.path.join(root, "seed0", name, "eval_rl.jsonl"))]
+        assert arm["em_after"] == pytest.approx(100 * np.mean([r["em"] for r in rows]))
+        d = arm["diagnostics"]
+        assert d["keep_ratio_start"] == pytest.approx(0.125)
+        for k in ("groups/all_fail", "groups/rescued", "alpha", "err"):
+            assert k in d
+        if name == "grpo":
+            assert d["probes/created"] in (None, 0) and d["alpha"] == 0.0
+    comps = {c["arms"]: c for c in res["comparisons"]}
+    assert set(comps) == {"rexrag - grpo", "rexrag - rexrag_nocorr", "rexrag_nocorr - grpo"}
+    c = comps["rexrag - grpo"]
+    assert c["mean"] == pytest.approx(world["arms"]["rexrag"]["em_after"] - world["arms"]["grpo"]["em_after"])
+    lo, hi = c["bootstrap_interval"]
+    assert lo <= c["mean"] <= hi
+
+
+def test_resume_reruns_only_the_unfinished_arm(quick, capsys):
+    rc, root, out = quick
+    res = json.load(open(os.path.join(root, "results.json")))
+    grpo_dump = os.path.join(root, "seed0", "grpo", "eval_rl.jsonl")
+    mtime = os.path.getmtime(grpo_dump)
+    del res["worlds"][0]["arms"]["rexrag"]  # as if killed during the REX-RAG arm
+    json.dump(res, open(os.path.join(root, "results.json"), "w"))
+    capsys.readouterr()
+    assert replication.main(["--quick", "--seeds", "0", "--run_root", root, "--json_out", out]) == 0
+    printed = capsys.readouterr().out
+    assert "world 0        rexrag:" in printed and "grpo:" not in printed.split("\n\n")[0].split("world 0:")[-1]
+    assert os.path.getmtime(grpo_dump) == mtime
+    assert set(json.load(open(out))["worlds"][0]["arms"]) == {"grpo", "rexrag_nocorr", "rexrag"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--arms", "grpo", "ppo"], "unknown arm 'ppo'"),
+    (["--seeds", "0", "x"], "'x' is not an integer"),
+    (["--seeds", "1", "1"], "repeats a seed"),
+    (["--seeds", "-3"], "negative"),
+])
+def test_bad_arms_and_seeds_are_one_line_exit_2(tmp_path, capsys, argv, message):
+    root = tmp_path / "r"
+    assert replication.main(["--quick", "--run_root", str(root), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not root.exists()  # refused before writing anything
+
+
+def test_run_root_from_other_settings_is_refused_unless_overwrite(tmp_path, capsys):
+    root = tmp_path / "r"
+    root.mkdir()
+    manifest = {"commit": replication.code_commit(), "config": {"rl_steps": 999}}
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    (root / "results.json").write_text('{"worlds": [{"seed": 0, "arms": {}}]}')
+    assert replication.main(["--quick", "--seeds", "0", "--run_root", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert "settings" in err and "--overwrite" in err and len(err.strip().splitlines()) == 1
+    assert json.loads((root / "manifest.json").read_text()) == manifest  # untouched
+    assert (root / "results.json").read_text() == '{"worlds": [{"seed": 0, "arms": {}}]}'
+    other = dict(manifest, commit="0" * 40, config=None)
+    (root / "manifest.json").write_text(json.dumps(other))
+    with pytest.raises(replication.BadInput, match="code commit"):
+        replication.open_run_root(str(root), {"commit": manifest["commit"], "config": None}, overwrite=False)
+    fresh = replication.open_run_root(str(root), {"commit": manifest["commit"], "config": None}, overwrite=True)
+    assert fresh == {"worlds": []} and not (root / "results.json").exists()
+
+
+def test_paired_intervals_hand_computed(tmp_path):
+    """t over worlds and the bootstrap on three worlds with known per-question EM."""
+    res = {"worlds": []}
+    rng = np.random.default_rng(0)
+    for seed, (ea, eb) in enumerate([(0.2, 0.3), (0.3, 0.35), (0.25, 0.4)]):
+        for arm, p in (("grpo", ea), ("rexrag", eb)):
+            d = tmp_path / f"seed{seed}" / arm
+            d.mkdir(parents=True)
+            em = (rng.random(200) < p).astype(float)
+            with open(d / "eval_rl.jsonl", "w") as f:
+                for i, e in enumerate(em):
+                    f.write(json.dumps({"id": f"q{i}", "em": e}) + "\n")
+        res["worlds"].append({"seed": seed, "arms": {
+            a: {"em_after": 100 * np.mean([json.loads(x)["em"] for x in open(tmp_path / f"seed{seed}" / a / "eval_rl.jsonl")])}
+            for a in ("grpo", "rexrag")}})
+    st = replication.paired_stats(res, "grpo", "rexrag", str(tmp_path), draws=500)
+    diffs = [w["arms"]["rexrag"]["em_after"] - w["arms"]["grpo"]["em_after"] for w in res["worlds"]]
+    assert st["per_world"] == pytest.approx(diffs) and st["mean"] == pytest.approx(np.mean(diffs))
+    half = 4.303 * np.std(diffs, ddof=1) / np.sqrt(3)  # t_{2, 0.975}
+    assert st["t_interval"] == pytest.approx([np.mean(diffs) - half, np.mean(diffs) + half])
+    lo, hi = st["bootstrap_interval"]
+    assert lo < np.mean(diffs) < hi and hi - lo < 2 * half  # question-level noise: narrower than t with df 2
