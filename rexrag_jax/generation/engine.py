@@ -72,10 +72,12 @@ class GenerationEngine:
                  eos_ids: Sequence[int] = (), stop_strings: Sequence[str] = ("</search>", "</answer>"),
                  detokenize: Callable[[list[int]], str] | None = None, decode_chunk: int = 16, mesh=None,
                  stop_token_seqs: Sequence[Sequence[int]] = (), prefill_chunk: int = 512,
-                 min_window: int = 64, vocab_limit: int | None = None):
+                 min_window: int = 64, vocab_limit: int | None = None, stop_blocks: bool = True):
         """stop_token_seqs: optional token spellings of the stop strings for in-jit early stop (see
         stops.stop_token_sequences); the host check on detokenized text runs regardless when
-        `detokenize` is given. prefill_chunk: largest append chunk (power of two). vocab_limit: the
+        `detokenize` is given. stop_blocks (needs `detokenize`): a closing-tag stop string `</X>` ends the
+        row only where it closes a complete `<X>…</X>` block (the first complete action block; a stray
+        `</answer>` does not stop it: a device-side stop there is not confirmed and the row decodes on). prefill_chunk: largest append chunk (power of two). vocab_limit: the
         tokenizer's vocabulary size; ids at or above it (padding rows of the embedding, e.g. Qwen2.5's
         151,936 rows vs 151,665 tokens) are never sampled and log-probs are renormalised over the rest."""
         if batch_size <= 0 or max_len <= 0:
@@ -92,6 +94,7 @@ class GenerationEngine:
         self.pad_id = int(pad_id)
         self.eos_ids = tuple(int(e) for e in eos_ids)
         self.stop_strings = tuple(stop_strings)
+        self.stop_blocks = bool(stop_blocks)
         self.detokenize = detokenize
         self.decode_chunk, self.prefill_chunk, self.min_window = int(decode_chunk), int(prefill_chunk), int(min_window)
         self.stop_token_seqs = tuple(tuple(int(t) for t in s) for s in stop_token_seqs if len(s))
@@ -253,7 +256,8 @@ class GenerationEngine:
                  top_p: float = 1.0, greedy: bool = False) -> list[GenOut]:
         """Generate up to max_new_tokens for each of rows (one GenOut per row, in order).
 
-        A row stops at an EOS id, at the token completing the first stop string (confirmed on the
+        A row stops at an EOS id, at the token completing the first stop string (with stop_blocks: the
+        first one closing a complete `<X>…</X>` block) (confirmed on the
         host on detokenized text; the cache is rolled back to that token), or after max_new_tokens.
         temperature <= 0 means greedy. Raises ValueError if a row is empty or could exceed max_len.
         """
@@ -311,7 +315,7 @@ class GenerationEngine:
                     active[r] = False
                     reason[r] = _REASONS[int(status[r])]
                 if self.detokenize is not None and self.stop_strings:
-                    cut = find_stop_cut(toks, self.detokenize, self.stop_strings)
+                    cut = find_stop_cut(toks, self.detokenize, self.stop_strings, self.stop_blocks)
                     if cut is not None:
                         keep, texts[r] = cut
                         if keep < len(toks):  # stop string completed before the device noticed
@@ -319,6 +323,12 @@ class GenerationEngine:
                             del toks[keep:], lps[keep:], slps[keep:]
                         active[r] = False
                         reason[r] = "stop"
+                    elif reason.get(r) == "stop":  # a stray closing tag (no block): not a stop, decode on
+                        if remaining[r] > 0:
+                            active[r] = True
+                            del reason[r]
+                        else:
+                            reason[r] = "length"
         outs = []
         for r in rows:
             toks, lps, slps = gen[r]

@@ -7,8 +7,7 @@ from typing import Iterable
 
 _PUNCT = frozenset(string.punctuation)  # ASCII punctuation only, as in SQuAD / Search-R1
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
-_ANSWER_OPEN = "<answer>"
-_ANSWER_CLOSE = "</answer>"
+_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)  # Search-R1 qa_em.extract_solution
 
 
 def normalize_answer(s: str) -> str:
@@ -48,18 +47,18 @@ def exact_match(prediction: str | None, golds) -> float:
 
 
 def extract_last_answer(text: str) -> str | None:
-    """Content of the last complete `<answer>...</answer>` in `text`, stripped; None if there is none.
-
-    "Last" is anchored on the last `</answer>`: the answer starts after the nearest `<answer>` before
-    it. So for a nested/duplicated opening `<answer> a <answer> b </answer>` the answer is "b", an
-    unclosed trailing `<answer> c` is ignored, and a closing tag with no opening before it gives None.
-    For well-formed text this equals the last match of Search-R1's `<answer>(.*?)</answer>`.
-    Pass the response only: the SPEC prompt itself contains the example `<answer> Beijing </answer>`.
+    """Content of the last match of Search-R1's `<answer>(.*?)</answer>` (DOTALL) in `text`, stripped;
+    None if there is none. Exactly the reference's `re.finditer(...)` + last match, so:
+      `<answer> a </answer> <answer> b </answer>` -> "b"      (duplicated blocks: the last)
+      `<answer> a <answer> b </answer>`          -> "a <answer> b" (nested opening: the regex starts at
+                                                    the first `<answer>`; EM then normalises it to "a answer b")
+      `<answer> a </answer> </answer>`           -> "a"      (a stray extra closer is ignored)
+      `<answer> a </answer> <answer> c`          -> "a"      (an unclosed trailing block is ignored)
+    Tags are case-sensitive. Pass the response only: the reference's qa_em.extract_solution runs on
+    prompt + response and so returns None unless there are >= 2 matches (the SPEC prompt's example
+    `<answer> Beijing </answer>` is always the first); on the response alone that is ">= 1 match".
     """
-    end = text.rfind(_ANSWER_CLOSE)
-    if end < 0:
-        return None
-    start = text.rfind(_ANSWER_OPEN, 0, end)
-    if start < 0:
-        return None
-    return text[start + len(_ANSWER_OPEN):end].strip()
+    last = None
+    for last in _ANSWER_RE.finditer(text):
+        pass
+    return None if last is None else last.group(1).strip()

@@ -1,7 +1,8 @@
 """Host-side multi-turn rollout loop with REX-RAG probes (SPEC §1, §3).
 
 One engine row ("slot") per live trajectory. Each turn:
-  1. generate for every active row (the engine cuts right after the first `</search>` / `</answer>`);
+  1. generate for every active row (the engine cuts right after the first complete `<search>…</search>`
+     or `<answer>…</answer>` block; a stray closer such as `</answer>` inside `<think>` does not end the turn);
   2. parse each row's action with Search-R1's regex `<(search|answer)>(.*?)</\\1>` on the turn's text;
   3. send all search queries of the turn to the retriever in ONE call (top-k = config.topk);
   4. append `\\n\\n<information>{passages}</information>\\n\\n` (cut to max_obs_tokens) to search rows, or
@@ -102,11 +103,35 @@ class Action:
 
 
 def parse_action(text: str) -> Action:
-    """First match of Search-R1's `<(search|answer)>(.*?)</\\1>` (DOTALL) in one turn's text."""
+    """First match of Search-R1's `<(search|answer)>(.*?)</\\1>` (DOTALL) in one turn's text.
+
+    The turn's text is what the engine kept: cut right after the first complete action block (engine
+    stop_blocks, generation.stops). Search-R1 instead generates the whole turn, cuts it at the first
+    `</search>` if the turn has one anywhere, else at the first `</answer>`, and then takes this regex's
+    first match. The action is the same whenever the first closing tag closes a block not nested in an
+    unclosed `<search>` (all well-formed turns; the reference keeps any text up to a later `</search>`
+    in the turn, we do not), and when a
+    stray closer is followed by a `</search>` (e.g. `<think> .. </answer> .. </think><search> q </search>`
+    -> search "q" in both). They differ only on malformed turns: a stray `</answer>` followed by a
+    complete `<answer> y </answer>` and no `</search>` is "answer y" here but invalid in the reference
+    (cut at the stray closer), likewise a stray `</search>` before a complete block; and
+    `<search> q <answer> a </answer> … </search>` is "answer a" here but a search for
+    "q <answer> a </answer> …" there. `search_r1_cut` is the reference's cut, for comparison.
+    """
     m = _ACTION_RE.search(text)
     if m is None:
         return Action(None, "", -1, -1)
     return Action(m.group(1), m.group(2).strip(), m.start(), m.end())
+
+
+def search_r1_cut(text: str) -> str:
+    """Search-R1's `_postprocess_responses` on one whole generated turn: cut after the first `</search>`
+    if there is one anywhere, else after the first `</answer>`, else unchanged."""
+    if "</search>" in text:
+        return text.split("</search>")[0] + "</search>"
+    if "</answer>" in text:
+        return text.split("</answer>")[0] + "</answer>"
+    return text
 
 
 def format_observation(hits) -> str:

@@ -45,6 +45,21 @@ def test_find_stop_cut_scripted(stream, n, text):
     assert got == (None if n is None else (n, text))
 
 
+@pytest.mark.parametrize("stream, n, text", [
+    ([14, 13, 14, 11, 12, 13, 14], 6, "x</answer>x<answer> Paris</answer>"),   # stray closer: goes on
+    ([14, 13, 14, 1, 2, 10, 11, 12, 13], 6, "x</answer>x<search> who</search>"),
+    ([14, 10, 11, 12, 13], 5, "x</search><answer> Paris</answer>"),            # stray </search> likewise
+    ([1, 2, 11, 12, 13, 10], 5, "<search> who<answer> Paris</answer>"),         # first block to complete
+    ([11, 12, 13, 13], 3, "<answer> Paris</answer>"),
+    ([14, 13, 14, 13], None, None),                                             # only stray closers
+])
+def test_find_stop_cut_blocks_takes_first_complete_block(stream, n, text):
+    got = find_stop_cut(stream, detok, STOPS, blocks=True)
+    assert got == (None if n is None else (n, text))
+    if n is None:
+        assert find_stop_cut(stream, detok, STOPS, blocks=False) == (2, "x</answer>")  # old rule: stray stops
+
+
 def test_stop_token_sequences_are_sound_and_cover_spellings():
     seqs = stop_token_sequences(encode, detok, STOPS)
     for seq in seqs:
@@ -86,7 +101,7 @@ def test_engine_cuts_at_stop_string_and_rolls_back(params, in_jit):  # noqa: F81
     detokenize = _stop_detok(ref, i, i + 1)
     seqs = ((ref[i], ref[i + 1]),) if in_jit else ()
     eng = GenerationEngine(params, CFG, 4, 128, decode_chunk=16, detokenize=detokenize,
-                           stop_strings=("</search>",), stop_token_seqs=seqs)
+                           stop_strings=("</search>",), stop_token_seqs=seqs, stop_blocks=False)
     eng.append([0, 1], PROMPTS[:2])
     a, b = eng.generate([0, 1], 24, jax.random.PRNGKey(0), greedy=True)
     assert a.stop_reason == "stop"
@@ -95,10 +110,40 @@ def test_engine_cuts_at_stop_string_and_rolls_back(params, in_jit):  # noqa: F81
     assert eng.lengths()[0] == len(PROMPTS[0]) + i + 2
     # row 1 is unaffected unless its own stream happens to spell the stop string
     ref_b = greedy_reference(params, PROMPTS[1], 24)
-    if find_stop_cut(ref_b, detokenize, ("</search>",)) is None:
+    if find_stop_cut(ref_b, detokenize, ("</search>",), blocks=False) is None:
         assert b.tokens == ref_b and b.stop_reason == "length"
     # after the cut, the row continues exactly as a fresh prefill of prompt + cut tokens would
     obs = [3, 4, 5]
     eng.append([0], [obs])
     cont = eng.generate([0], 6, jax.random.PRNGKey(0), greedy=True)[0]
     assert cont.tokens == greedy_reference(params, PROMPTS[0] + ref[: i + 2] + obs, 6)
+
+
+@pytest.mark.parametrize("in_jit", [False, True])
+def test_engine_decodes_past_a_stray_closer_to_the_first_complete_block(params, in_jit):  # noqa: F811
+    """stop_blocks (default): a `</answer>` with no `<answer>` before it is not a stop, even when the
+    device stops on its token sequence; the row resumes and stops at the block's closer."""
+    ref = greedy_reference(params, PROMPTS[0], 32)
+    pos = []
+    for p in range(1, 30):
+        if ref[p] not in ref[:p] and ref[p] not in [ref[q] for q in pos] and (not pos or p > pos[-1] + 1):
+            pos.append(p)
+        if len(pos) == 3:
+            break
+    i, j, k = pos
+    table = {ref[i]: "</answer>", ref[j]: "<answer>", ref[k]: "</answer>"}
+    detokenize = lambda ids: "".join(table.get(t, "a") for t in ids)  # noqa: E731
+    seqs = ((ref[i],), (ref[k],)) if in_jit else ()
+    eng = GenerationEngine(params, CFG, 4, 128, decode_chunk=4, detokenize=detokenize,
+                           stop_strings=STOPS, stop_token_seqs=seqs)
+    eng.append([0], PROMPTS[:1])
+    a = eng.generate([0], 32, jax.random.PRNGKey(0), greedy=True)[0]
+    assert a.stop_reason == "stop" and a.tokens == ref[: k + 1]
+    assert a.text == "a" * i + "</answer>" + "a" * (j - i - 1) + "<answer>" + "a" * (k - j - 1) + "</answer>"
+    assert eng.lengths()[0] == len(PROMPTS[0]) + k + 1
+    # the old rule stops at the stray closer
+    eng = GenerationEngine(params, CFG, 4, 128, decode_chunk=4, detokenize=detokenize,
+                           stop_strings=STOPS, stop_token_seqs=seqs, stop_blocks=False)
+    eng.append([0], PROMPTS[:1])
+    b = eng.generate([0], 32, jax.random.PRNGKey(0), greedy=True)[0]
+    assert b.tokens == ref[: i + 1] and b.text == "a" * i + "</answer>"

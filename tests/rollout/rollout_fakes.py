@@ -101,7 +101,7 @@ class ScriptedEngine:
             if self.tok.eos_id in toks:
                 toks = toks[: toks.index(self.tok.eos_id) + 1]
                 reason = "eos"
-            cut = find_stop_cut(toks, self.tok.decode, self.stop_strings)
+            cut = find_stop_cut(toks, self.tok.decode, self.stop_strings, blocks=True)  # engine stop_blocks
             if cut is not None:
                 keep, text = cut
                 toks, reason = toks[:keep], "stop"

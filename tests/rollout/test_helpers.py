@@ -7,6 +7,7 @@ import pytest
 from rexrag_jax.data.schema import QAExample
 from rexrag_jax.rollout import types as T
 from rexrag_jax.rollout.loop import (RolloutConfig, format_observation, parse_action, required_batch_size,
+                                     search_r1_cut,
                                      revision_draw, split_at_char, truncate_context)
 from rollout_fakes import ToyTokenizer
 
@@ -22,6 +23,30 @@ def test_parse_action_search_answer_invalid():
     # first complete block wins (Search-R1's re.search)
     c = parse_action("<answer> a </answer><search> b </search>")
     assert (c.kind, c.content) == ("answer", "a")
+
+
+@pytest.mark.parametrize("turn, kind, content", [
+    ("<think> not </answer> yet </think><answer> Paris </answer>", "answer", "Paris"),   # stray closer
+    ("<think> </answer> hmm </think><search> q </search>", "search", "q"),
+    ("<answer> a </answer> <answer> b </answer>", "answer", "a"),                        # duplicated: first
+    ("<search> s </search><answer> a </answer>", "search", "s"),
+    ("<answer> a <answer> b </answer>", "answer", "a <answer> b"),                       # nested: regex's
+    ("<think> </answer> </think>", None, ""),
+])
+def test_parse_action_first_complete_block(turn, kind, content):
+    """The engine keeps the turn up to the first complete block (stop_blocks); parse_action takes the
+    regex's first match; on turns whose first closer closes a block this is Search-R1's action."""
+    from rexrag_jax.generation.stops import _first_stop_end
+
+    end = _first_stop_end(turn, ("</search>", "</answer>"), blocks=True)
+    kept = turn if end < 0 else turn[:end]
+    act = parse_action(kept)
+    assert (act.kind, act.content) == (kind, content)
+    ref = parse_action(search_r1_cut(turn))
+    if turn.startswith("<think> not"):      # the documented difference: the reference cuts at the stray
+        assert ref.kind is None             # `</answer>` (no `</search>` in the turn) -> invalid
+    else:
+        assert (ref.kind, ref.content) == (kind, content)
 
 
 def test_format_observation_matches_search_r1_layout():
