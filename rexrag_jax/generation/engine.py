@@ -77,7 +77,8 @@ class GenerationEngine:
         stops.stop_token_sequences); the host check on detokenized text runs regardless when
         `detokenize` is given. stop_blocks (needs `detokenize`): a closing-tag stop string `</X>` ends the
         row only where it closes a complete `<X>…</X>` block (the first complete action block; a stray
-        `</answer>` does not stop it: a device-side stop there is not confirmed and the row decodes on). prefill_chunk: largest append chunk (power of two). vocab_limit: the
+        `</answer>` does not stop it: a device-side stop there is not confirmed and the row decodes on).
+        prefill_chunk: largest append chunk (power of two). vocab_limit: the
         tokenizer's vocabulary size; ids at or above it (padding rows of the embedding, e.g. Qwen2.5's
         151,936 rows vs 151,665 tokens) are never sampled and log-probs are renormalised over the rest."""
         if batch_size <= 0 or max_len <= 0:
