@@ -140,11 +140,12 @@ def export_policy(params, model_cfg, tokenizer_model: str, out_dir: str) -> str:
     """HF Qwen2 directory (safetensors + config.json) with the SentencePiece model beside it, written
     to a temporary sibling and renamed (an existing export is replaced only once the new one is whole)."""
     from rexrag_jax.models.qwen2.hf_io import export_checkpoint
+    from rexrag_jax.tokenizers.hf_export import save_tokenizer_for_hf
 
     tmp = tempfile.mkdtemp(prefix=".export-", dir=os.path.dirname(os.path.abspath(out_dir)))
     try:
         inner = export_checkpoint(params, model_cfg, os.path.join(tmp, "m"), progress=False)
-        shutil.copy(tokenizer_model, os.path.join(inner, "tokenizer.model"))
+        save_tokenizer_for_hf(tokenizer_model, inner)  # tokenizer.model + HF tokenizer.json/config/template
         if os.path.exists(out_dir):
             shutil.rmtree(out_dir)
         os.replace(inner, out_dir)

@@ -16,6 +16,23 @@ from rexrag_jax.tokenizers.hf import HFTokenizer
 from rexrag_jax.tokenizers.spm import DEFAULT_USER_SYMBOLS, SentencePieceTokenizer, train_sentencepiece
 
 
+def _exported_sentencepiece(folder: str) -> str | None:
+    """The .model named by tokenizer_config.json's hf_export.MARKER (written by save_tokenizer_for_hf)."""
+    import json
+
+    from rexrag_jax.tokenizers.hf_export import MARKER
+
+    cfg = os.path.join(folder, "tokenizer_config.json")
+    if not os.path.isfile(cfg):
+        return None
+    try:
+        with open(cfg, encoding="utf-8") as f:
+            name = json.load(f).get(MARKER)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return os.path.join(folder, name) if isinstance(name, str) and os.path.isfile(os.path.join(folder, name)) else None
+
+
 def load_tokenizer(path: str | os.PathLike, chat_template: str | None = None) -> Tokenizer:
     """Load a tokenizer from an HF checkpoint dir, a tokenizer.json file or a SentencePiece .model file.
 
@@ -23,6 +40,9 @@ def load_tokenizer(path: str | os.PathLike, chat_template: str | None = None) ->
     """
     path = os.fspath(path)
     if os.path.isdir(path):
+        own = _exported_sentencepiece(path)  # our HF export of a SentencePiece model: read the model itself
+        if own:
+            return SentencePieceTokenizer(own, chat_template=chat_template)
         if os.path.exists(os.path.join(path, "tokenizer.json")):
             return HFTokenizer.from_dir(path, chat_template=chat_template)
         models = sorted(f for f in os.listdir(path) if f.endswith(".model"))

@@ -476,6 +476,7 @@ def export_checkpoint(params, cfg: Qwen2Config, out_dir: str, *, dtype: str | No
             src = os.path.join(copy_files_from, fname)
             if os.path.exists(src):
                 shutil.copyfile(src, os.path.join(tmp, fname))
+        os.chmod(tmp, 0o755)  # mkdtemp makes 0700; an export is meant to be read by others
         _swap_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
