@@ -49,10 +49,16 @@ class DemoConfig:
     num_city: int = 40
     num_country: int = 10
     num_company: int = 30
-    dead_end_fraction: float = 0.3      # warm-start trajectories that answer too early (wrongly)
-    dead_end_stop: str = "any_hop"      # where dead ends stop ("no_search": guess before any search)
-    revision_fraction: float = 0.2      # warm-start trajectories: dead end + pool prompt + correct continuation
-                                        # (the prior probes rely on; only the continuation is learnt)
+    dead_end_fraction: float = 0.0      # random dead ends: records that answer too early after j ~ U{0..k-1} searches
+    dead_end_stop: str = "any_hop"      # where random dead ends stop ("no_search": guess before any search)
+    revision_fraction: float = 0.0      # random revision records: dead end + pool prompt + correct continuation
+    # trap dead ends (rexrag_jax.data.warmstart): num_trap_relations relations drawn by the seed; at a hop
+    # j >= 1 on one of them a record answers with the entity found so far (trap_dead_end_prob), and a share
+    # trap_revision_share of those fired traps are revision records instead (the prior probes rely on;
+    # only the continuation after the prompt is learnt)
+    num_trap_relations: int = 3
+    trap_dead_end_prob: float = 0.85
+    trap_revision_share: float = 0.3
     probe_prior_questions: int = 96     # greedy-wrong held-out questions for the probe vs fresh-sample measure
     sft_examples: int = 0               # warm-start trajectories used (0: the whole train split)
     test_per_hop: int = 100             # held-out questions per hop count
@@ -208,7 +214,7 @@ def prepare_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool,
     import jax
 
     from rexrag_jax.data.synthetic_world import generate_world, write_world
-    from rexrag_jax.data.warmstart import make_warmstart, training_text
+    from rexrag_jax.data.warmstart import make_warmstart, pick_trap_relations, training_text
     from rexrag_jax.models.qwen2 import model as qwen2
     from rexrag_jax.retrieval import build_default_retriever
     from rexrag_jax.tokenizers import load_tokenizer, train_sentencepiece
@@ -236,12 +242,16 @@ def prepare_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool,
     phase("warmstart_data")
     sft_examples = world.train[:cfg.sft_examples] if cfg.sft_examples else world.train
     retriever.prefetch([f"{s} {r}" for ex in sft_examples for s, r, _ in world.hops(ex.id)], cfg.topk)
+    traps = pick_trap_relations(seed, cfg.num_trap_relations)
     trajectories = make_warmstart(world, dead_end_fraction=cfg.dead_end_fraction, seed=seed, retriever=retriever,
                                   topk=cfg.topk, examples=sft_examples, dead_end_stop=cfg.dead_end_stop,
-                                  revision_fraction=cfg.revision_fraction)
+                                  revision_fraction=cfg.revision_fraction, trap_relations=traps,
+                                  trap_dead_end_prob=cfg.trap_dead_end_prob,
+                                  trap_revision_share=cfg.trap_revision_share)
     write_world(world, os.path.join(run_dir, "world"), trajectories)
     done("warmstart_data", f"({len(trajectories)} trajectories, {sum(t['dead_end'] for t in trajectories)} dead ends, "
-                           f"{sum(t.get('revision', False) for t in trajectories)} revisions)")
+                           f"{sum(t.get('revision', False) for t in trajectories)} revisions; trap relations "
+                           f"{', '.join(traps) or 'none'})")
 
     phase("tokenizer")
     tok_path = train_sentencepiece(training_text(world, trajectories), os.path.join(run_dir, "tokenizer", "demo"),
@@ -267,7 +277,8 @@ def prepare_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool,
     logger.log(0, {f"eval/em_{k}": v["em"] for k, v in before.per_source.items()} | {"eval/em_mean": before.average})
     done("eval_warmstart", f"(EM {100 * before.average:.1f})")
     phase("probe_prior")
-    prior = measure_probe_prior(cfg, evaluator, params, world.test, records, seed, run_dir)
+    prior = measure_probe_prior(cfg, evaluator, params, world.test, records, seed, run_dir,
+                                errors=greedy_error_kinds(world, records, traps))
     logger.log(0, {f"warmstart/{k}": v for k, v in prior.items() if isinstance(v, float)})
     logger.close()
     done("probe_prior", f"(probe success {100 * prior['probe_success']:.1f}% vs fresh sample "
@@ -277,7 +288,27 @@ def prepare_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool,
                 run_dir=run_dir, times=dict(times))
 
 
-def measure_probe_prior(cfg: DemoConfig, evaluator, params, test, records, seed: int, run_dir: str | None) -> dict:
+def greedy_error_kinds(world, records, trap_relations) -> dict:
+    """What the greedy warm start gets wrong: the share of its wrong answers given after fewer searches than
+    the question has hops (early answers, what a probe can fix) and EM on questions with / without a trap
+    relation after the first hop."""
+    from rexrag_jax.data.warmstart import has_trap
+
+    by_id = {e.id: e for e in world.test}
+    wrong = [r for r in records if r["em"] < 1.0]
+    early = [r["response"].count("<search>") < len(world.hops(r["id"])) for r in wrong]
+    trap = [has_trap(world, by_id[r["id"]], trap_relations) for r in records]
+    em = np.array([r["em"] for r in records], float)
+    trap = np.array(trap, bool)
+    return {"early_answer_share_of_wrong": float(np.mean(early)) if early else float("nan"),
+            "trap_question_share": float(trap.mean()) if len(trap) else float("nan"),
+            "em_trap_questions": float(em[trap].mean()) if trap.any() else float("nan"),
+            "em_other_questions": float(em[~trap].mean()) if (~trap).any() else float("nan"),
+            "trap_relations": list(trap_relations)}
+
+
+def measure_probe_prior(cfg: DemoConfig, evaluator, params, test, records, seed: int, run_dir: str | None,
+                        errors: dict | None = None) -> dict:
     """Probe vs fresh-sample success at the warm start (rexrag_jax.evaluation.probe_prior) on up to
     cfg.probe_prior_questions held-out questions whose greedy answer is wrong; written to
     run_dir/probe_prior.json."""
@@ -289,6 +320,7 @@ def measure_probe_prior(cfg: DemoConfig, evaluator, params, test, records, seed:
     prior = probe_vs_fresh(evaluator, params, [wrong[i] for i in pick], group_size=cfg.group_size, seed=seed,
                            batch_questions=cfg.num_questions, temperature=cfg.temperature)
     prior["greedy_wrong"] = len(wrong)
+    prior.update(errors or {})
     if run_dir is not None:
         tmp = os.path.join(run_dir, ".probe_prior.json.tmp")
         with open(tmp, "w") as f:
@@ -327,7 +359,10 @@ def load_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool = F
         with open(prior_path) as f:
             prior = json.load(f)
     else:
-        prior = measure_probe_prior(cfg, evaluator, params, world.test, records, seed, run_dir)
+        from rexrag_jax.data.warmstart import pick_trap_relations
+
+        prior = measure_probe_prior(cfg, evaluator, params, world.test, records, seed, run_dir,
+                                    errors=greedy_error_kinds(world, records, pick_trap_relations(seed, cfg.num_trap_relations)))
     return dict(world=world, retriever=retriever, tok_path=tok_path, model_cfg=model_cfg, warm_dir=warm_dir,
                 sft_hist=[], evaluator=evaluator, before=before, records=records, probe_prior=prior,
                 run_dir=run_dir, times={})

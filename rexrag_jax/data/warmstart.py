@@ -32,6 +32,19 @@ Only the continuation is in the loss: the prefix is a dead end (learning it woul
 the prompt is not the model's (learning it would teach the policy to reflect on its own, which the
 paper's base model rarely does). So the warm start learns "after a revision prompt, search on" and
 nothing else from these records.
+
+Where dead ends happen ("random" vs "trap" dead ends). Random dead ends (`dead_end_fraction`: a share
+of the records stops after j ~ U{0..k-1} searches) spread the early-answer decision thinly over every
+context: the greedy warm start then almost never answers early (searching on is the majority at every
+step), so its held-out errors are copy errors that no revision prompt can fix, and probes lose to
+fresh samples (issue 12: probe 1.1-2.2 % vs fresh 1.8-4.8 % over 3 worlds). Trap dead ends
+(`trap_relations`) make the dead end a habit, as in an LLM that stops at the intermediate entity: at
+every hop j >= 1 whose relation is a trap relation, the record answers with the entity found so far
+with probability `trap_dead_end_prob` (the first trap that fires ends it). So the greedy policy answers
+too early on every question with a trap relation after its first hop (~30 % of questions), sampling
+rarely escapes, and a share `trap_revision_share` of the fired traps become revision records cut at
+exactly that point. The prior the probes rely on is then present (after a revision prompt, search on)
+and the dead ends are real (without one, answer).
 """
 from __future__ import annotations
 
@@ -77,21 +90,49 @@ def _search_turns(hops, known, retriever, topk, kind):
     return segments, known
 
 
+def pick_trap_relations(seed: int, n: int) -> tuple[str, ...]:
+    """n relation names drawn from the world's relations by `seed` (sorted): the demo's trap relations."""
+    from rexrag_jax.data.synthetic_world import RELATIONS
+
+    if not 0 <= n <= len(RELATIONS):
+        raise ValueError(f"number of trap relations must be in [0, {len(RELATIONS)}], got {n}")
+    return tuple(sorted(random.Random(f"trap-relations-{seed}").sample(sorted(RELATIONS), n)))
+
+
+def trap_stop(world: World, example, trap_relations, dead_end_prob: float, rng: random.Random) -> int | None:
+    """Searches done before a trap dead end answers (the first hop j >= 1 whose relation is a trap and
+    whose draw fires, probability dead_end_prob each), or None when no trap fires."""
+    hops = world.hops(example.id)
+    for j in range(1, len(hops)):
+        if hops[j][1] in trap_relations and rng.random() < dead_end_prob:
+            return j
+    return None
+
+
+def has_trap(world: World, example, trap_relations) -> bool:
+    """Whether a question's chain has a trap relation after its first hop (the greedy warm start's dead ends)."""
+    return any(r in trap_relations for _, r, _ in world.hops(example.id)[1:])
+
+
 def make_trajectory(world: World, example, retriever, *, dead_end: bool, rng: random.Random,
-                    topk: int = 3, dead_end_stop: str = "any_hop", revision_prompt: str | None = None) -> dict:
+                    topk: int = 3, dead_end_stop: str = "any_hop", revision_prompt: str | None = None,
+                    stop: int | None = None) -> dict:
     """One trajectory record (see the module docstring); `retriever` has `search(queries, topk)`.
 
     dead_end_stop: where a dead end stops, "any_hop" (after j ~ U{0..k-1} searches) or "no_search"
     (always guesses before the first search, so the early-answer decision is the first one).
     revision_prompt: make a revision trajectory (dead end, this prompt, correct continuation; not with
-    dead_end=True)."""
+    dead_end=True). stop: searches before the dead end answers (a trap dead end), instead of drawing it."""
     if dead_end_stop not in DEAD_END_STOPS:
         raise ValueError(f"dead_end_stop must be one of {DEAD_END_STOPS}, got {dead_end_stop!r}")
     if dead_end and revision_prompt is not None:
         raise ValueError("make_trajectory: a trajectory is a dead end or a revision, not both")
     hops = world.hops(example.id)
     k = len(hops)
-    if dead_end or revision_prompt is not None:
+    if stop is not None:
+        if not (dead_end or revision_prompt is not None) or not 0 <= stop < k:
+            raise ValueError(f"make_trajectory: stop={stop} needs a dead end or revision and 0 <= stop < {k}")
+    elif dead_end or revision_prompt is not None:
         stop = rng.randrange(k) if dead_end_stop == "any_hop" else 0  # searches done before answering
     else:
         stop = k
@@ -126,12 +167,13 @@ def make_trajectory(world: World, example, retriever, *, dead_end: bool, rng: ra
             "data_source": example.data_source, "prompt_text": build_prompt_text(example.question),
             "response": "".join(t for _, t in segments), "segments": segments,
             "num_searches": sum(kind == INFORMATION for kind, _ in segments), "dead_end": dead_end,
-            "revision": revision_prompt is not None}
+            "revision": revision_prompt is not None, "stop": stop if stop < k else None}
 
 
 def make_warmstart(world: World, *, dead_end_fraction: float = 0.2, seed: int = 0, retriever=None,
                    topk: int = 3, examples=None, dead_end_stop: str = "any_hop", revision_fraction: float = 0.0,
-                   revision_prompts=None) -> list[dict]:
+                   revision_prompts=None, trap_relations=(), trap_dead_end_prob: float = 0.85,
+                   trap_revision_share: float = 0.3) -> list[dict]:
     """Trajectories for `examples` (default: the train split), deterministic given `seed`.
 
     Exactly round(dead_end_fraction * n) of them are dead ends and round(revision_fraction * n) others
@@ -139,8 +181,18 @@ def make_warmstart(world: World, *, dead_end_fraction: float = 0.2, seed: int = 
     prompt is drawn uniformly from `revision_prompts` (default: the gin-configured pool,
     rexrag_jax.rl.prompt_pool.revision_prompts()). `retriever` defaults to `WorldRetriever` over the
     world's corpus; pass the run's retriever so that the observations match what the policy will see.
+
+    trap_relations (non-empty: trap dead ends, module docstring): every record not chosen as a random
+    dead end or revision walks its hops; a trap that fires (trap_dead_end_prob) makes it a dead end at
+    that hop, or with probability trap_revision_share a revision record cut there.
     """
-    for name, v in (("dead_end_fraction", dead_end_fraction), ("revision_fraction", revision_fraction)):
+    from rexrag_jax.data.synthetic_world import RELATIONS
+
+    unknown = [r for r in trap_relations if r not in RELATIONS]
+    if unknown:
+        raise ValueError(f"trap_relations: unknown relation(s) {unknown} (expected some of {sorted(RELATIONS)})")
+    for name, v in (("dead_end_fraction", dead_end_fraction), ("revision_fraction", revision_fraction),
+                    ("trap_dead_end_prob", trap_dead_end_prob), ("trap_revision_share", trap_revision_share)):
         if not 0.0 <= v <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {v}")
     if dead_end_fraction + revision_fraction > 1.0:
@@ -151,15 +203,26 @@ def make_warmstart(world: World, *, dead_end_fraction: float = 0.2, seed: int = 
     n_dead = round(dead_end_fraction * len(examples))
     dead = set(rng.sample(range(len(examples)), n_dead))
     revision = set()
+    if revision_prompts is None and (revision_fraction > 0 or trap_relations):
+        from rexrag_jax.rl.prompt_pool import revision_prompts as pool
+        revision_prompts = pool()
     if revision_fraction > 0:
-        if revision_prompts is None:
-            from rexrag_jax.rl.prompt_pool import revision_prompts as pool
-            revision_prompts = pool()
         rest = [i for i in range(len(examples)) if i not in dead]
         revision = set(rng.sample(rest, min(len(rest), round(revision_fraction * len(examples)))))
-    return [make_trajectory(world, ex, retriever, dead_end=i in dead, rng=rng, topk=topk, dead_end_stop=dead_end_stop,
-                            revision_prompt=rng.choice(list(revision_prompts)) if i in revision else None)
-            for i, ex in enumerate(examples)]
+    out = []
+    for i, ex in enumerate(examples):
+        stop = None
+        dead_end, prompt = i in dead, rng.choice(list(revision_prompts)) if i in revision else None
+        if trap_relations and not dead_end and prompt is None:
+            stop = trap_stop(world, ex, trap_relations, trap_dead_end_prob, rng)
+            if stop is not None:
+                if rng.random() < trap_revision_share:
+                    prompt = rng.choice(list(revision_prompts))
+                else:
+                    dead_end = True
+        out.append(make_trajectory(world, ex, retriever, dead_end=dead_end, rng=rng, topk=topk,
+                                   dead_end_stop=dead_end_stop, revision_prompt=prompt, stop=stop))
+    return out
 
 
 def training_text(world: World, trajectories: list[dict]) -> list[str]:
