@@ -198,7 +198,8 @@ def test_sft_learns_a_fixed_sequence():
 def test_config_from_gin_file_bindings_and_quick():
     cfg = demo.parse_config([], ["DemoConfig.rl_steps = 7", "DemoConfig.rl_lr = 3e-5"], quick=False)
     assert (cfg.rl_steps, cfg.rl_lr) == (7, 3e-5)
-    assert cfg.dead_end_fraction == 0.3  # from gin/demo.gin, equal to the dataclass default
+    # trap dead ends from gin/demo.gin, equal to the dataclass defaults
+    assert (cfg.dead_end_fraction, cfg.num_trap_relations, cfg.trap_dead_end_prob) == (0.0, 3, 0.85)
     quick = demo.parse_config([], [], quick=True)
     assert quick.rl_steps == demo.QUICK_OVERRIDES["rl_steps"] and quick.sft_steps == demo.QUICK_OVERRIDES["sft_steps"]
     with pytest.raises(ValueError):

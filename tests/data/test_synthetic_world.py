@@ -10,7 +10,7 @@ import pytest
 from rexrag_jax.data import build_prompt_text, read_qa_file
 from rexrag_jax.data.synthetic_world import RELATIONS, WorldConfig, WorldRetriever, generate_world, write_world
 from rexrag_jax.data.warmstart import make_warmstart, observation, training_text
-from rexrag_jax.rewards import compute_reward, format_rating
+from rexrag_jax.rewards import compute_reward, extract_last_answer, format_rating
 
 SMALL = WorldConfig(seed=3, num_person=40, num_city=12, num_country=4, num_company=10,
                     train_per_hop=(60, 60, 60), test_per_hop=(20, 20, 20))
@@ -283,3 +283,45 @@ def test_revision_segments_are_masked_in_sft(world, tmp_path):
         learnt = [x for x, m in zip(toks, mask) if m]
         expect = [x for k, text in t["segments"] if k == "response" for x in tok.encode(text)]
         assert learnt == expect  # exactly the response segments, nothing of the prefix or the prompt
+
+
+def test_trap_dead_ends_stop_exactly_at_a_trap_relation(world):
+    """Trap mode: a dead end answers with the entity found so far right before a trap relation at hop j >= 1,
+    a revision record is cut at that same point, and questions without a trap after hop 0 are always correct."""
+    from rexrag_jax.data.warmstart import has_trap, pick_trap_relations
+
+    traps = pick_trap_relations(0, 3)
+    assert len(traps) == 3 and traps == pick_trap_relations(0, 3) and traps != pick_trap_relations(5, 3)
+    trajs = make_warmstart(world, dead_end_fraction=0.0, trap_relations=traps, trap_dead_end_prob=0.85,
+                           trap_revision_share=0.3, seed=2)
+    assert make_warmstart(world, dead_end_fraction=0.0, trap_relations=traps, seed=2) == trajs  # deterministic
+    by_id = {e.id: e for e in world.train}
+    fired = 0
+    for t in trajs:
+        hops = world.hops(t["id"])
+        if not has_trap(world, by_id[t["id"]], traps):
+            assert not t["dead_end"] and not t["revision"] and compute_reward(t["response"], t["golden_answers"]) == 1.0
+            continue
+        if t["dead_end"] or t["revision"]:
+            fired += 1
+            j = t["stop"]
+            assert j >= 1 and hops[j][1] in traps
+            # the dead end's searches are exactly the first j hops, the answer the entity found at hop j-1
+            if t["dead_end"]:
+                assert re.findall(r"<search> (.*?) </search>", t["response"]) == [f"{s} {r}" for s, r, _ in hops[:j]]
+                assert extract_last_answer(t["response"]).strip() == hops[j - 1][2]
+                assert compute_reward(t["response"], t["golden_answers"]) == 0.0
+            else:
+                kinds = [k for k, _ in t["segments"]]
+                assert kinds[:kinds.index("probe")].count("information") == j
+                assert compute_reward(t["response"], t["golden_answers"]) == 1.0
+    trapped = [t for t in trajs if has_trap(world, by_id[t["id"]], traps)]
+    # a record with m trap hops fires with probability 1 - 0.15^m; 30% of fired ones are revisions (4 sd)
+    p = np.array([1 - 0.15 ** sum(r in traps for _, r, _ in world.hops(t["id"])[1:]) for t in trapped])
+    assert abs(fired - p.sum()) <= 4 * np.sqrt((p * (1 - p)).sum()) + 1
+    rev = sum(t["revision"] for t in trajs)
+    assert abs(rev - 0.3 * fired) <= 4 * np.sqrt(0.21 * fired) + 1
+    with pytest.raises(ValueError, match="unknown relation"):
+        make_warmstart(world, trap_relations=("spouse",))
+    with pytest.raises(ValueError, match="trap_dead_end_prob"):
+        make_warmstart(world, trap_relations=traps, trap_dead_end_prob=1.5)
