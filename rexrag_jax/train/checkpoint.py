@@ -4,19 +4,21 @@
     <run_dir>/checkpoints/<step>/meta    JSON: step, data-iterator state, RNG seed/key data, EWMA keep
                                           ratio ρ, anything else small
 
-orbax writes each step to a temporary directory and renames it when complete, so a crash mid-save
-leaves the previous checkpoint as the latest. Saves are synchronous (async disabled): when `save`
-returns, the step is on disk. A checkpoint is never written from non-finite params.
+orbax writes each step to a temporary directory and renames it when complete (on GCS, which has no
+rename, it writes a commit_success.txt marker last instead), so a crash mid-save leaves the previous
+checkpoint as the latest. `directory` may be a local path or a gs:// URL (rexrag_jax.io.paths).
+Saves are synchronous (async disabled): when `save` returns, the step is on disk (in the bucket). A checkpoint is never written from non-finite params.
 """
 from __future__ import annotations
 
 import logging
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+
+from rexrag_jax.io import paths
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +35,7 @@ def _tree_finite(tree) -> jax.Array:
 
 class Checkpointer:
     def __init__(self, directory: str, keep: int = 3):
-        self.directory = os.path.abspath(directory)
+        self.directory = paths.as_path(directory)  # epath.Path: absolute local path or the gs:// URL
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
 

@@ -9,20 +9,22 @@
 gets config.gin (all bindings, written before training) and operative_config.gin (the values actually
 used, written once the trainer is built); both also go to TensorBoard as text. Re-running the same
 command resumes from the latest checkpoint in <run_dir>/checkpoints.
+
+--run_dir may be a gs:// URL (the TPU launch scripts pass one): every file of the run then goes to the
+bucket through rexrag_jax.io.paths, and nothing is written locally but temp files. A malformed URL, a
+missing bucket or unreachable storage is refused before anything else (one line, exit 2).
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
-import pathlib
 import re
 import sys
-import tempfile
 
 import gin
 
-GIN_DIR = pathlib.Path(__file__).resolve().parents[2] / "gin"
+from rexrag_jax.config import GIN_DIR, parse_gin  # noqa: F401  (parse_gin: re-exported for callers)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,35 +36,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def write_text_atomic(path: str, text: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    """Local: temp file + rename; gs://: one upload (rexrag_jax.io.paths.write_text_atomic)."""
+    from rexrag_jax.io import paths
 
-
-def parse_gin(gin_files, gin_bindings) -> None:
-    # Register every configurable the gin files may name.
-    import rexrag_jax.models.qwen2.config  # noqa: F401  model_config
-    import rexrag_jax.rl.prompt_pool  # noqa: F401  revision_prompts
-    import rexrag_jax.rollout.loop  # noqa: F401  RolloutConfig
-    import rexrag_jax.train.rollout_source  # noqa: F401  SearchRollout, http_retriever, local_retriever
-    import rexrag_jax.train.synthetic  # noqa: F401  SyntheticRollout
-    import rexrag_jax.train.trainer  # noqa: F401  Trainer, TrainConfig, qa_examples
-    import rexrag_jax.train.optim  # noqa: F401  OptimizerConfig
-
-    gin.add_config_file_search_path(str(GIN_DIR))
-    files = []
-    for f in gin_files:
-        if not os.path.exists(f) and (GIN_DIR / f).exists():
-            f = str(GIN_DIR / f)
-        files.append(f)
-    gin.parse_config_files_and_bindings(files, gin_bindings, finalize_config=False)
+    paths.write_text_atomic(path, text)
 
 
 @gin.configurable
@@ -84,6 +61,14 @@ def main(argv=None) -> int:
         print("rexrag train: at least one --gin_file is required (e.g. gin/rexrag.gin + gin/model/*.gin)",
               file=sys.stderr)
         return 2
+    from rexrag_jax.io import paths
+
+    if paths.is_remote(args.run_dir):
+        try:
+            paths.check_remote_dir(args.run_dir)
+        except paths.RemotePathError as e:
+            print(f"rexrag train: --run_dir {e}", file=sys.stderr)
+            return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file it writes at INFO
@@ -96,10 +81,10 @@ def main(argv=None) -> int:
         print(f"rexrag train: required gin macro(s) not set: {', '.join(missing)}; set them in a gin file or "
               f"with --gin_bindings 'NAME = value' (see the header of {args.gin_file[0]})", file=sys.stderr)
         return 2
-    write_text_atomic(os.path.join(args.run_dir, "config.gin"), gin.config_str())
+    write_text_atomic(paths.join(args.run_dir, "config.gin"), gin.config_str())
     trainer = run_type()(args.run_dir)
     operative = gin.operative_config_str()
-    write_text_atomic(os.path.join(args.run_dir, "operative_config.gin"), operative)
+    write_text_atomic(paths.join(args.run_dir, "operative_config.gin"), operative)
     return trainer.run(config_text=operative)
 
 

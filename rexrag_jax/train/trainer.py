@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import signal
 import time
 from typing import Sequence
@@ -31,6 +30,7 @@ import numpy as np
 import optax
 
 from rexrag_jax.data.iterator import ShardedIterator
+from rexrag_jax.io import paths
 from rexrag_jax.models.qwen2 import model as qwen2
 from rexrag_jax.models.qwen2.config import Qwen2Config
 from rexrag_jax.rl.advantages import group_advantages
@@ -186,7 +186,7 @@ class Trainer:
                  config: TrainConfig | None = None, optimizer: OptimizerConfig | None = None,
                  train_examples=gin.REQUIRED, val_examples=None, init_checkpoint: str | None = None,
                  use_tensorboard: bool = True):
-        self.run_dir = os.path.abspath(run_dir)
+        self.run_dir = paths.as_str(run_dir)  # absolute local path, or the gs:// URL (rexrag_jax.io.paths)
         self.cfg = config or TrainConfig()
         self.opt_cfg = optimizer or OptimizerConfig(total_steps=self.cfg.total_steps)
         self.model_cfg = model_cfg
@@ -196,7 +196,7 @@ class Trainer:
         if len(self.train_examples) < self.cfg.num_questions:
             raise ValueError(f"Trainer: {len(self.train_examples)} training questions cannot fill one step of "
                              f"TrainConfig.num_questions={self.cfg.num_questions}")
-        os.makedirs(self.run_dir, exist_ok=True)
+        paths.makedirs(self.run_dir)
         self.logger = MetricsLogger(self.run_dir, use_tensorboard)
         self.terminate = _Terminate()
 
@@ -227,7 +227,7 @@ class Trainer:
         self._ref_logprob = make_logprob_fn(model_cfg, self.cfg.temperature, self.cfg.logprob_chunk or 512, False)
         self.pool = rollout.pool_distribution(model_cfg.vocab_size)
         rollout.setup(model_cfg, self.params, self.cfg.num_questions * self.cfg.group_size, self.mesh)
-        self.ckpt = Checkpointer(os.path.join(self.run_dir, "checkpoints"), keep=self.cfg.keep_checkpoints)
+        self.ckpt = Checkpointer(paths.join(self.run_dir, "checkpoints"), keep=self.cfg.keep_checkpoints)
 
     # --- state -----------------------------------------------------------------------------------
     def _initial_params(self, init_checkpoint):
