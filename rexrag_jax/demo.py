@@ -59,6 +59,18 @@ class DemoConfig:
     num_trap_relations: int = 3
     trap_dead_end_prob: float = 0.85
     trap_revision_share: float = 0.3
+    # trap_reflect_share of those revision records keep the prompt in the SFT loss: the warm start then
+    # reflects on its own after a trap, rarely (the base LLM's rare self-reflection), which is what the
+    # probes' prompt tokens reinforce under the policy correction (a prompt the policy never emits has
+    # importance weight ~0 there).
+    trap_reflect_share: float = 0.15
+    # reading worlds: the warm start also learns from the train questions of this many worlds with the
+    # same names but re-drawn facts (observations from their own corpus). Trained on one world only, the
+    # policy memorises its facts and ignores what it retrieves (issue 12: held-out EM 0-8% on questions
+    # whose facts no train trajectory shows, vs 11-69% on the rest), so its errors are recall errors that
+    # neither searching on nor a probe can fix. With facts that differ between worlds, reading is the
+    # only way to lower the loss.
+    reading_worlds: int = 4
     probe_prior_questions: int = 96     # greedy-wrong held-out questions for the probe vs fresh-sample measure
     sft_examples: int = 0               # warm-start trajectories used (0: the whole train split)
     test_per_hop: int = 100             # held-out questions per hop count
@@ -247,9 +259,12 @@ def prepare_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool,
                                   topk=cfg.topk, examples=sft_examples, dead_end_stop=cfg.dead_end_stop,
                                   revision_fraction=cfg.revision_fraction, trap_relations=traps,
                                   trap_dead_end_prob=cfg.trap_dead_end_prob,
-                                  trap_revision_share=cfg.trap_revision_share)
+                                  trap_revision_share=cfg.trap_revision_share,
+                                  trap_reflect_share=cfg.trap_reflect_share)
     write_world(world, os.path.join(run_dir, "world"), trajectories)
-    done("warmstart_data", f"({len(trajectories)} trajectories, {sum(t['dead_end'] for t in trajectories)} dead ends, "
+    trajectories = trajectories + reading_world_trajectories(world, cfg, seed, traps)
+    done("warmstart_data", f"({len(trajectories)} trajectories ({cfg.reading_worlds} reading worlds), "
+                           f"{sum(t['dead_end'] for t in trajectories)} dead ends, "
                            f"{sum(t.get('revision', False) for t in trajectories)} revisions; trap relations "
                            f"{', '.join(traps) or 'none'})")
 
@@ -286,6 +301,25 @@ def prepare_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool,
     return dict(world=world, retriever=retriever, tok_path=tok_path, model_cfg=model_cfg, warm_dir=warm_dir,
                 sft_hist=sft_hist, evaluator=evaluator, before=before, records=records, probe_prior=prior,
                 run_dir=run_dir, times=dict(times))
+
+
+def reading_world_trajectories(world, cfg: DemoConfig, seed: int, traps) -> list[dict]:
+    """Warm-start records from cfg.reading_worlds worlds with `world`'s names and types but their own facts
+    (WorldConfig.fact_seed), same trap relations and shares; observations from each world's own corpus
+    (exact lexical retriever, the run's top-k)."""
+    from rexrag_jax.data.synthetic_world import WorldRetriever, generate_world
+    from rexrag_jax.data.warmstart import make_warmstart
+
+    out = []
+    for i in range(cfg.reading_worlds):
+        other = generate_world(dataclasses.replace(world.config, fact_seed=seed * 1000 + i + 1))
+        n = len(other.train) if not cfg.sft_examples else cfg.sft_examples
+        out += make_warmstart(other, dead_end_fraction=cfg.dead_end_fraction, seed=seed * 1000 + i + 1,
+                              retriever=WorldRetriever(other.corpus_rows()), topk=cfg.topk, examples=other.train[:n],
+                              dead_end_stop=cfg.dead_end_stop, revision_fraction=cfg.revision_fraction,
+                              trap_relations=traps, trap_dead_end_prob=cfg.trap_dead_end_prob,
+                              trap_revision_share=cfg.trap_revision_share, trap_reflect_share=cfg.trap_reflect_share)
+    return out
 
 
 def greedy_error_kinds(world, records, trap_relations) -> dict:

@@ -200,6 +200,8 @@ def test_config_from_gin_file_bindings_and_quick():
     assert (cfg.rl_steps, cfg.rl_lr) == (7, 3e-5)
     # trap dead ends from gin/demo.gin, equal to the dataclass defaults
     assert (cfg.dead_end_fraction, cfg.num_trap_relations, cfg.trap_dead_end_prob) == (0.0, 3, 0.85)
+    d = demo.DemoConfig()
+    assert (cfg.trap_reflect_share, cfg.reading_worlds) == (d.trap_reflect_share, d.reading_worlds) == (0.15, 4)
     quick = demo.parse_config([], [], quick=True)
     assert quick.rl_steps == demo.QUICK_OVERRIDES["rl_steps"] and quick.sft_steps == demo.QUICK_OVERRIDES["sft_steps"]
     with pytest.raises(ValueError):

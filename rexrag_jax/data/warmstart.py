@@ -24,7 +24,7 @@ pretrained-LLM prior REX-RAG relies on (SPEC §3): a dead end cut exactly where 
     [information] ...
     [context]  <think> The founder of Zelko is Marvo. </think>
     [probe]    <think> Perhaps I've overlooked critical points or slipped up in my logic.
-    [response]  I need the birthplace of Marvo. </think><search> Marvo birthplace </search>
+    [response]  The founder of Zelko is Marvo. I need the birthplace of Marvo. </think><search> Marvo birthplace </search>
     [information] ...
     [response] <think> The birthplace of Marvo is Tavik. </think><answer> Tavik </answer>
 
@@ -116,13 +116,15 @@ def has_trap(world: World, example, trap_relations) -> bool:
 
 def make_trajectory(world: World, example, retriever, *, dead_end: bool, rng: random.Random,
                     topk: int = 3, dead_end_stop: str = "any_hop", revision_prompt: str | None = None,
-                    stop: int | None = None) -> dict:
+                    stop: int | None = None, learn_prompt: bool = False) -> dict:
     """One trajectory record (see the module docstring); `retriever` has `search(queries, topk)`.
 
     dead_end_stop: where a dead end stops, "any_hop" (after j ~ U{0..k-1} searches) or "no_search"
     (always guesses before the first search, so the early-answer decision is the first one).
     revision_prompt: make a revision trajectory (dead end, this prompt, correct continuation; not with
-    dead_end=True). stop: searches before the dead end answers (a trap dead end), instead of drawing it."""
+    dead_end=True). stop: searches before the dead end answers (a trap dead end), instead of drawing it.
+    learn_prompt: a self-reflection record: the revision prompt is the model's own text (a "response"
+    segment, in the SFT loss) instead of an inserted one (a "probe" segment, masked out)."""
     if dead_end_stop not in DEAD_END_STOPS:
         raise ValueError(f"dead_end_stop must be one of {DEAD_END_STOPS}, got {dead_end_stop!r}")
     if dead_end and revision_prompt is not None:
@@ -151,10 +153,14 @@ def make_trajectory(world: World, example, retriever, *, dead_end: bool, rng: ra
     if revision_prompt is not None:
         # the probe's cut: the dead end's think kept, its <answer> block replaced by the prompt
         segments.append([CONTEXT, f"<think> {think} </think>"])
-        segments.append([PROBE, revision_prompt])
+        segments.append([RESPONSE if learn_prompt else PROBE, revision_prompt])
         subj, rel, obj = hops[stop]
         query = f"{subj} {rel}"
-        segments.append([RESPONSE, f" I need the {rel} of {subj}. </think><search> {query} </search>"])
+        # the continuation restates the last fact before the next hop: the entity to search next is then
+        # copied from right beside it, not from before the prompt (a 2-layer warm start copying across the
+        # prompt names a wrong entity in most probes: probe 5.9% vs fresh 4.5%)
+        restate = f" {think}" if known is not None else ""
+        segments.append([RESPONSE, f"{restate} I need the {rel} of {subj}. </think><search> {query} </search>"])
         segments.append([INFORMATION, observation(retriever.search([query], topk)[0])])
         rest, known = _search_turns(hops[stop + 1:], (subj, rel, obj), retriever, topk, RESPONSE)
         segments += rest
@@ -167,13 +173,14 @@ def make_trajectory(world: World, example, retriever, *, dead_end: bool, rng: ra
             "data_source": example.data_source, "prompt_text": build_prompt_text(example.question),
             "response": "".join(t for _, t in segments), "segments": segments,
             "num_searches": sum(kind == INFORMATION for kind, _ in segments), "dead_end": dead_end,
-            "revision": revision_prompt is not None, "stop": stop if stop < k else None}
+            "revision": revision_prompt is not None, "stop": stop if stop < k else None,
+            "self_reflection": bool(learn_prompt and revision_prompt is not None)}
 
 
 def make_warmstart(world: World, *, dead_end_fraction: float = 0.2, seed: int = 0, retriever=None,
                    topk: int = 3, examples=None, dead_end_stop: str = "any_hop", revision_fraction: float = 0.0,
                    revision_prompts=None, trap_relations=(), trap_dead_end_prob: float = 0.85,
-                   trap_revision_share: float = 0.3) -> list[dict]:
+                   trap_revision_share: float = 0.3, trap_reflect_share: float = 0.0) -> list[dict]:
     """Trajectories for `examples` (default: the train split), deterministic given `seed`.
 
     Exactly round(dead_end_fraction * n) of them are dead ends and round(revision_fraction * n) others
@@ -184,7 +191,10 @@ def make_warmstart(world: World, *, dead_end_fraction: float = 0.2, seed: int = 
 
     trap_relations (non-empty: trap dead ends, module docstring): every record not chosen as a random
     dead end or revision walks its hops; a trap that fires (trap_dead_end_prob) makes it a dead end at
-    that hop, or with probability trap_revision_share a revision record cut there.
+    that hop, or with probability trap_revision_share a revision record cut there. A share
+    trap_reflect_share of those revision records are self-reflection records: the prompt is in the loss,
+    so the warm start reflects on its own after a trap with a small probability (the base LLM's rare
+    self-reflection, which the probes' prompt tokens then reinforce).
     """
     from rexrag_jax.data.synthetic_world import RELATIONS
 
@@ -192,7 +202,8 @@ def make_warmstart(world: World, *, dead_end_fraction: float = 0.2, seed: int = 
     if unknown:
         raise ValueError(f"trap_relations: unknown relation(s) {unknown} (expected some of {sorted(RELATIONS)})")
     for name, v in (("dead_end_fraction", dead_end_fraction), ("revision_fraction", revision_fraction),
-                    ("trap_dead_end_prob", trap_dead_end_prob), ("trap_revision_share", trap_revision_share)):
+                    ("trap_dead_end_prob", trap_dead_end_prob), ("trap_revision_share", trap_revision_share),
+                    ("trap_reflect_share", trap_reflect_share)):
         if not 0.0 <= v <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {v}")
     if dead_end_fraction + revision_fraction > 1.0:
@@ -211,17 +222,19 @@ def make_warmstart(world: World, *, dead_end_fraction: float = 0.2, seed: int = 
         revision = set(rng.sample(rest, min(len(rest), round(revision_fraction * len(examples)))))
     out = []
     for i, ex in enumerate(examples):
-        stop = None
+        stop, learn = None, False
         dead_end, prompt = i in dead, rng.choice(list(revision_prompts)) if i in revision else None
         if trap_relations and not dead_end and prompt is None:
             stop = trap_stop(world, ex, trap_relations, trap_dead_end_prob, rng)
             if stop is not None:
                 if rng.random() < trap_revision_share:
                     prompt = rng.choice(list(revision_prompts))
+                    learn = trap_reflect_share > 0 and rng.random() < trap_reflect_share
                 else:
                     dead_end = True
         out.append(make_trajectory(world, ex, retriever, dead_end=dead_end, rng=rng, topk=topk,
-                                   dead_end_stop=dead_end_stop, revision_prompt=prompt, stop=stop))
+                                   dead_end_stop=dead_end_stop, revision_prompt=prompt, stop=stop,
+                                   learn_prompt=learn))
     return out
 
 

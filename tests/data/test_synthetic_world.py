@@ -1,5 +1,6 @@
 """Synthetic world: determinism, names, corpus format, answers re-derived from the corpus text alone by an
 independent solver, one search per hop, retrieval (lexical and real MiniLM), warm-start trajectories."""
+import dataclasses
 import json
 import re
 import time
@@ -259,7 +260,9 @@ def test_revision_trajectories_are_a_probe_cut_plus_a_correct_continuation(world
         j = kinds[:p].count("information")
         cut_points.add(j)
         subj, rel, _ = hops[j]
-        assert t["segments"][p + 1][1] == f" I need the {rel} of {subj}. </think><search> {subj} {rel} </search>"
+        # (restating the fact found last, when there is one)
+        restate = f" The {hops[j - 1][1]} of {hops[j - 1][0]} is {hops[j - 1][2]}." if j >= 1 else ""
+        assert t["segments"][p + 1][1] == f"{restate} I need the {rel} of {subj}. </think><search> {subj} {rel} </search>"
         assert t["num_searches"] == len(hops)
         queries = re.findall(r"<search> (.*?) </search>", t["response"])
         assert queries == [f"{s} {r}" for s, r, _ in hops]
@@ -325,3 +328,66 @@ def test_trap_dead_ends_stop_exactly_at_a_trap_relation(world):
         make_warmstart(world, trap_relations=("spouse",))
     with pytest.raises(ValueError, match="trap_dead_end_prob"):
         make_warmstart(world, trap_relations=traps, trap_dead_end_prob=1.5)
+
+
+def test_self_reflection_records_learn_the_prompt_and_nothing_else_changes(world, tmp_path):
+    """trap_reflect_share: that share of the trap revision records has its prompt as a "response" segment
+    (in the SFT loss); the text, the other records and the default (0) output are unchanged."""
+    from rexrag_jax.data.warmstart import pick_trap_relations
+    from rexrag_jax.rl.prompt_pool import revision_prompts
+    from rexrag_jax.train.sft import encode_record
+    from rexrag_jax.tokenizers import load_tokenizer, train_sentencepiece
+
+    traps = pick_trap_relations(0, 3)
+    base = make_warmstart(world, dead_end_fraction=0.0, trap_relations=traps, seed=2)
+    assert make_warmstart(world, dead_end_fraction=0.0, trap_relations=traps, seed=2, trap_reflect_share=0.0) == base
+    trajs = make_warmstart(world, dead_end_fraction=0.0, trap_relations=traps, seed=2, trap_reflect_share=0.5)
+    revisions = [t for t in trajs if t["revision"]]
+    reflect = [t for t in revisions if t["self_reflection"]]
+    assert not any(t["self_reflection"] for t in trajs if not t["revision"])
+    assert abs(len(reflect) - 0.5 * len(revisions)) <= 4 * np.sqrt(0.25 * len(revisions)) + 1
+    pool = set(revision_prompts())
+    tok = load_tokenizer(train_sentencepiece([t["response"] for t in revisions] + [r["contents"] for r in world.corpus_rows()],
+                                             str(tmp_path / "sp"), 500))
+    for t in revisions:
+        kinds = [k for k, _ in t["segments"]]
+        prompt_at = [i for i, (_, text) in enumerate(t["segments"]) if text in pool]
+        assert len(prompt_at) == 1
+        assert kinds[prompt_at[0]] == ("response" if t["self_reflection"] else "probe")
+        assert compute_reward(t["response"], t["golden_answers"]) == 1.0
+        # the continuation restates the fact found last, then asks for the next hop
+        hops, j = world.hops(t["id"]), t["stop"]
+        subj, rel, obj = hops[j - 1]
+        assert t["segments"][prompt_at[0] + 1][1].startswith(f" The {rel} of {subj} is {obj}. I need the {hops[j][1]} "
+                                                             f"of {obj}. </think>")
+        # in the loss exactly when it is a self-reflection record
+        toks, mask = encode_record(tok, t)
+        learnt = [x for x, m in zip(toks, mask) if m]
+        expect = [x for i, (k, text) in enumerate(t["segments"]) if k == "response" for x in tok.encode(text)]
+        assert learnt == expect
+        n_prompt = len(tok.encode(t["segments"][prompt_at[0]][1]))
+        assert len(learnt) == sum(len(tok.encode(x)) for k, x in t["segments"] if k == "response")
+        with_prompt = sum(len(tok.encode(x)) for i, (k, x) in enumerate(t["segments"])
+                          if k == "response" and i != prompt_at[0]) + n_prompt
+        assert (len(learnt) == with_prompt) == t["self_reflection"]
+    with pytest.raises(ValueError, match="trap_reflect_share"):
+        make_warmstart(world, trap_relations=traps, trap_reflect_share=-0.1)
+
+
+def test_reading_world_keeps_names_and_redraws_facts():
+    """WorldConfig.fact_seed: same names and types, facts drawn anew (most differ), deterministic, and its
+    questions follow its own facts; fact_seed=None is the plain world."""
+    cfg = WorldConfig(seed=3, num_person=40, num_city=14, num_country=4, num_company=10)
+    base = generate_world(cfg)
+    other = generate_world(dataclasses.replace(cfg, fact_seed=7))
+    assert other.names == base.names and other.types == base.types
+    assert set(other.facts) == set(base.facts)
+    same = sum(other.facts[k] == base.facts[k] for k in base.facts)
+    assert same < 0.5 * len(base.facts), same
+    assert generate_world(dataclasses.replace(cfg, fact_seed=7)).facts == other.facts
+    assert generate_world(dataclasses.replace(cfg, fact_seed=8)).facts != other.facts
+    for ex in other.train[:50]:
+        hops = other.hops(ex.id)
+        assert hops[-1][2] == ex.golden_answers[0]
+        for subj, rel, obj in hops:
+            assert f"The {rel} of {subj} is {obj}." in other.passage_text(other.names.index(subj))
