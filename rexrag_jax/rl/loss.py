@@ -76,6 +76,7 @@ def grpo_token_loss(logp: jax.Array, old_logp: jax.Array, ref_logp: jax.Array | 
       ref_logp: [N, T] reference log-probs, or None when kl_coef == 0.
       advantages: [N] (broadcast over tokens) or [N, T].
       loss_mask: [N, T] bool; nothing outside it contributes to the loss, the gradient or the metrics.
+      is_probe: [N] or per token [N, T] (packed rows hold originals and probes side by side).
       logits: optional [N, T, V] (aligned with logp) for the entropy metric / bonus.
     """
     logp = jnp.asarray(logp, jnp.float32)
@@ -114,7 +115,8 @@ def grpo_token_loss(logp: jax.Array, old_logp: jax.Array, ref_logp: jax.Array | 
     clip_low = (adv_b < 0) & (ratio_sg < 1.0 - eps_low)
     splits = {"all": mask}
     if is_probe is not None:
-        probe_rows = jnp.asarray(is_probe, bool)[:, None]
+        probe_rows = jnp.asarray(is_probe, bool)
+        probe_rows = probe_rows[:, None] if probe_rows.ndim == 1 else probe_rows  # [N] or per token [N, T]
         splits["original"] = mask & ~probe_rows
         splits["probe"] = mask & probe_rows
     for split, m in splits.items():
@@ -138,11 +140,12 @@ def token_mean(loss_sum, token_count):
     return loss_sum / jnp.maximum(token_count, 1)
 
 
-def combine_micro_batches(outputs: Sequence[tuple]) -> tuple[jax.Array, dict]:
+def combine_micro_batches(outputs: Sequence[tuple], xp=jnp) -> tuple[jax.Array, dict]:
     """Merge grpo_token_loss outputs of the micro-batches of one mini-batch exactly.
 
     loss = Σ loss_sum / Σ token_count; "*/tokens" add up; "*_min"/"*_max" take min/max; every other
-    metric is a per-token mean and is re-weighted by its split's token count.
+    metric is a per-token mean and is re-weighted by its split's token count. xp=numpy merges host
+    values without dispatching (and compiling) jax ops.
     """
     if not outputs:
         raise ValueError("combine_micro_batches: expected at least one micro-batch output")
@@ -155,10 +158,10 @@ def combine_micro_batches(outputs: Sequence[tuple]) -> tuple[jax.Array, dict]:
         if name == "tokens":
             merged[key] = sum(values)
         elif name.endswith("_min"):
-            merged[key] = jnp.min(jnp.stack(values))
+            merged[key] = xp.min(xp.stack(values))
         elif name.endswith("_max"):
-            merged[key] = jnp.max(jnp.stack(values))
+            merged[key] = xp.max(xp.stack(values))
         else:
             weights = [o[2][f"{split}/tokens"] for o in outputs]
-            merged[key] = sum(v * w for v, w in zip(values, weights)) / jnp.maximum(sum(weights), 1)
-    return token_mean(total_sum, total_count), merged
+            merged[key] = sum(v * w for v, w in zip(values, weights)) / xp.maximum(sum(weights), 1)
+    return total_sum / xp.maximum(total_count, 1), merged

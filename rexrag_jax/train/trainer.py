@@ -34,15 +34,15 @@ from rexrag_jax.io import paths
 from rexrag_jax.models.qwen2 import model as qwen2
 from rexrag_jax.models.qwen2.config import Qwen2Config
 from rexrag_jax.rl.advantages import group_advantages
-from rexrag_jax.rl.behaviour import batch_alpha_err, behaviour_logprobs
+from rexrag_jax.rl.behaviour import behaviour_logprobs
 from rexrag_jax.rl.filtering import INITIAL_KEEP_RATIO
 from rexrag_jax.rl.loss import combine_micro_batches
 from rexrag_jax.rollout.types import SEG_PROMPT
-from rexrag_jax.train import prepare
+from rexrag_jax.train import packing, prepare
 from rexrag_jax.train.checkpoint import Checkpointer
 from rexrag_jax.train.metrics_log import MetricsLogger
 from rexrag_jax.train.optim import OptimizerConfig
-from rexrag_jax.train.update import LossConfig, make_logprob_fn, make_update_fn
+from rexrag_jax.train.update import LossConfig, make_logprob_fn, make_packed_update_fns, make_update_fn, packed_update
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,13 @@ class TrainConfig:
     kl_coef: float = 0.001            # k3 KL to the frozen initial policy; 0 skips the reference pass
     temperature: float = 1.0          # log-probs use logits / temperature (as sampled)
     logprob_chunk: int = 512          # positions per chunk of the log-softmax (0: full logits)
+    pack_sequences: bool = True       # log-prob and update passes on packed rows (train/packing.py): several
+                                      # trajectories per row, attention within each; False: one per row,
+                                      # right-padded to the length bucket of the longest
+    pack_length: int = 0              # tokens per packed row (0: 4 * length_bucket, capped at the bucketed
+                                      # max_seq_len); raised to the bucket of a longer trajectory
+    pack_rows: int = 0                # packed rows per micro-batch / log-prob call (0: max(1, micro_batch // 4),
+                                      # rounded up to the data-parallel size)
     use_probes: bool = True           # False: plain GRPO (the ablation)
     policy_correction: bool = True    # False: behaviour = π_old for every token, probes included (the
                                       # paper's "w/o policy correction" ablation)
@@ -116,12 +123,22 @@ def qa_examples(files: Sequence[str] = (), synthetic: int = 0, data_source: str 
 ROW_BUCKET = 16
 _group_advantages = jax.jit(group_advantages)
 _behaviour_logprobs = jax.jit(behaviour_logprobs)
-_batch_alpha_err = jax.jit(batch_alpha_err)
 
 
 def _pad_rows(x: np.ndarray, n_pad: int, fill=0) -> np.ndarray:
     x = np.asarray(x)
     return np.concatenate([x, np.full((n_pad,) + x.shape[1:], fill, x.dtype)]) if n_pad else x
+
+
+def _alpha_err_host(is_probe, correct) -> tuple[np.float32, np.float32]:
+    """rl.behaviour.batch_alpha_err in numpy float32 (the jitted one at exact N compiled for every new N)."""
+    is_probe, correct = np.asarray(is_probe, bool), np.asarray(correct, np.float32)
+    orig = (~is_probe).astype(np.float32)
+    alpha = np.float32(is_probe.sum()) / np.float32(max(len(is_probe), 1))
+    n_orig = orig.sum(dtype=np.float32)
+    err = np.float32(1.0) - (correct * orig).sum(dtype=np.float32) / max(n_orig, np.float32(1.0)) if n_orig > 0 \
+        else np.float32(1.0)
+    return alpha, np.float32(err)
 
 
 def rl_update_math(rewards, correct, group_ids, old_logp, loss_mask, is_probe, probe_start, probe_len, pool_logp,
@@ -138,7 +155,7 @@ def rl_update_math(rewards, correct, group_ids, old_logp, loss_mask, is_probe, p
     pad_gid = (gid.max() + 1 if n else 0) + np.arange(pad, dtype=gid.dtype)  # each padded row its own group
     adv = np.asarray(_group_advantages(_pad_rows(np.asarray(rewards, np.float32), pad),
                                        np.concatenate([gid, pad_gid])))[:n]
-    alpha, err = _batch_alpha_err(np.asarray(is_probe, bool), np.asarray(correct, np.float32))  # exact N: counts
+    alpha, err = _alpha_err_host(is_probe, correct)  # exact N (counts); on the host: no compile per new N
     if not correction:
         behaviour = np.where(np.asarray(loss_mask, bool), np.asarray(old_logp, np.float32), 0.0)
         return adv.astype(np.float32), behaviour.astype(np.float32), float(alpha), float(err)
@@ -223,6 +240,8 @@ class Trainer:
                               self.cfg.logprob_chunk or None)
         out_sh = None if self.mesh is None else (self._param_shardings, self._opt_shardings)
         self._update = make_update_fn(model_cfg, self.optimizer, loss_cfg, out_sh)
+        self._packed_micro, self._packed_apply = make_packed_update_fns(model_cfg, self.optimizer, loss_cfg, out_sh)
+        self._token_stats = {"real": 0, "padded": 0, "logprob_padded": 0}
         self._logprob = make_logprob_fn(model_cfg, self.cfg.temperature, self.cfg.logprob_chunk or 512, True)
         self._ref_logprob = make_logprob_fn(model_cfg, self.cfg.temperature, self.cfg.logprob_chunk or 512, False)
         self.pool = rollout.pool_distribution(model_cfg.vocab_size)
@@ -278,8 +297,40 @@ class Trainer:
 
     # --- one step ----------------------------------------------------------------------------------
     def _rows(self, fn, params, tokens, mask):
+        if self.cfg.pack_sequences:
+            return self._packed_rows(fn, params, tokens, mask)
         rows = self.cfg.logprob_batch or self.cfg.micro_batch
+        self._token_stats["logprob_padded"] += -(-tokens.shape[0] // rows) * rows * tokens.shape[1]
         return prepare.rowwise(lambda t, m: fn(params, self._put(t), self._put(m)), (tokens, mask), rows)
+
+    # --- packed layout (train/packing.py) ------------------------------------------------------------
+    def _pack_rows(self) -> int:
+        rows = self.cfg.pack_rows or max(1, self.cfg.micro_batch // 4)
+        return -(-rows // self.dp_size) * self.dp_size
+
+    def _pack_len(self, lengths) -> int:
+        cfg = self.cfg
+        cap = prepare.length_bucket(cfg.max_seq_len, cfg.length_bucket, 1 << 30)
+        base = cfg.pack_length or min(4 * cfg.length_bucket, cap)
+        return packing.pack_length(lengths, base, cfg.length_bucket)
+
+    @staticmethod
+    def _lengths(mask) -> np.ndarray:
+        mask = np.asarray(mask, bool)
+        lengths = mask.sum(axis=1)
+        if not (mask == (np.arange(mask.shape[1])[None, :] < lengths[:, None])).all():
+            raise ValueError("packing needs right-padded rows (attention_mask a prefix of each row)")
+        return lengths
+
+    def _packed_rows(self, fn, params, tokens, mask):
+        """The log-prob pass on packed rows; outputs unpacked to [N, T] (0 at padding)."""
+        lengths = self._lengths(mask)
+        rows = self._pack_rows()
+        packed, plan = packing.pack_arrays({"tokens": tokens}, lengths, self._pack_len(lengths), rows)
+        self._token_stats["logprob_padded"] += plan.num_rows * plan.pack_len
+        outs = prepare.rowwise(lambda t, sg, ps: fn(params, self._put(t), None, self._put(sg), self._put(ps)),
+                               (packed["tokens"], packed["segment_ids"], packed["positions"]), rows)
+        return [None if o is None else packing.unpack(plan, o, tokens.shape[1]) for o in outs]
 
     def _put(self, x, leading: int = 0):
         """Host array → device, sharded on its batch dim (dim `leading`) under a mesh."""
@@ -297,9 +348,22 @@ class Trainer:
         poison = jnp.bool_(s in tuple(cfg.inject_nonfinite_steps))
         outs = []
         rng = np.random.default_rng([cfg.seed, s, 1]) if cfg.shuffle_mini_batches else None
+        stats = self._token_stats
         with self._mesh_ctx():
             for _ in range(cfg.ppo_epochs):
+                stats["real"] += int(np.asarray(arrays["attention_mask"]).sum())
+                if cfg.pack_sequences:
+                    lengths = self._lengths(arrays["attention_mask"])
+                    for mbs in packing.packed_mini_batches(arrays, lengths, cfg.mini_batch, self._pack_rows(),
+                                                           self._pack_len(lengths), rng):
+                        stats["padded"] += sum(int(np.size(mb["tokens"])) for mb in mbs)
+                        self.params, self.opt_state, m = packed_update(
+                            self._packed_micro, self._packed_apply, self.params, self.opt_state, mbs, lr, poison,
+                            self._put)
+                        outs.append(m)
+                    continue
                 for mb in prepare.mini_batches(arrays, cfg.mini_batch, cfg.micro_batch, rng):
+                    stats["padded"] += int(np.size(mb["tokens"]))
                     mb = {k: self._put(v, leading=1) for k, v in mb.items()}
                     self.params, self.opt_state, m = self._update(self.params, self.opt_state, mb, lr, poison)
                     outs.append(m)
@@ -313,6 +377,7 @@ class Trainer:
         stay here.
         """
         cfg, s = self.cfg, self.step
+        self._token_stats = {"real": 0, "padded": 0, "logprob_padded": 0}
         t0 = time.perf_counter()
         batch, rstats = self._rollout_batch(next(self.data), s)
         t_rollout = time.perf_counter() - t0
@@ -337,6 +402,12 @@ class Trainer:
                         "time/rollout": t_rollout, "time/logprob": t_logprob, "time/update": t_update,
                         "time/step": t_step, "tokens_per_s": update_tokens / max(t_step, 1e-9),
                         "update_tokens_per_s": update_tokens * cfg.ppo_epochs / max(t_update, 1e-9)})
+        # update passes (all epochs): real tokens, token slots processed (real + padding), padding share;
+        # logprob_padded: slots of the π_old (+ π_ref) passes
+        ts = self._token_stats
+        metrics.update({"tokens/real": ts["real"], "tokens/padded": ts["padded"],
+                        "tokens/padding_frac": 1.0 - ts["real"] / max(ts["padded"], 1),
+                        "tokens/logprob_padded": ts["logprob_padded"]})
         for k, v in rstats.items():
             if isinstance(v, (int, float)):
                 metrics[f"rollout/{k}"] = v

@@ -230,13 +230,29 @@ def _cached_layers(layers: Params, x: jax.Array, cache: dict, cfg: Qwen2Config, 
     return x, {"k": k, "v": v, "lengths": starts + add}
 
 
+def training_mask(attention_mask: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    """[B,T,T] bool: query t may attend to key s. Causal and on real keys (attention_mask [B,T]), or, for
+    packed rows, causal within the query's segment (segment_ids [B,T]; attention_mask unused)."""
+    T = attention_mask.shape[1]
+    causal = jnp.arange(T)[None, :, None] >= jnp.arange(T)[None, None, :]
+    if segment_ids is None:
+        return causal & attention_mask.astype(bool)[:, None, :]
+    return causal & (segment_ids[:, :, None] == segment_ids[:, None, :])
+
+
 def forward(params: Params, tokens: jax.Array, cfg: Qwen2Config, *, positions: jax.Array | None = None,
             attention_mask: jax.Array | None = None, cache: dict | None = None,
-            num_new: jax.Array | None = None, return_hidden: bool = False, window: int | None = None):
+            num_new: jax.Array | None = None, return_hidden: bool = False, window: int | None = None,
+            segment_ids: jax.Array | None = None):
     """Run the decoder.
 
     Without cache: tokens [B,T] (right-padded), attention_mask [B,T] (1 = real), positions default to
     arange(T); token t attends to real tokens s <= t. Returns (logits [B,T,V] float32, None).
+
+    Packed rows (no cache): `segment_ids` [B,T] int (0 = padding, 1.. = the trajectories of the row) and
+    `positions` restarting at 0 per segment; token t attends to s <= t with segment_ids[s] ==
+    segment_ids[t] (padding attends to padding only; `attention_mask` is then ignored). Without
+    segment_ids the computation is the unpacked one, unchanged.
 
     With cache (dict k, v [L,B,S,KV,Hd], lengths [B]): row b's T tokens are written at slots
     lengths[b]..lengths[b]+T-1 with RoPE positions equal to the slot; token t attends to slots
@@ -253,12 +269,13 @@ def forward(params: Params, tokens: jax.Array, cfg: Qwen2Config, *, positions: j
     layers = params["layers"]
 
     if cache is None:
+        if segment_ids is not None and positions is None:
+            raise ValueError("forward: packed rows (segment_ids) need their per-segment positions")
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         if attention_mask is None:
             attention_mask = jnp.ones((B, T), bool)
-        causal = jnp.arange(T)[None, :, None] >= jnp.arange(T)[None, None, :]
-        mask = causal & attention_mask.astype(bool)[:, None, :]
+        mask = training_mask(attention_mask, segment_ids)
 
         def body(h, lp):
             return _layer(cfg, h, lp, positions, lambda q, k, v: (_attention(q, k, v, mask, cfg), None))[0], None
@@ -276,17 +293,30 @@ def forward(params: Params, tokens: jax.Array, cfg: Qwen2Config, *, positions: j
     return logits_from_hidden(params, x, cfg), new_cache
 
 
+def segment_starts_zeroed(logp: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    """Packed rows: 0 at the first token of every segment (it has no prediction within its segment)."""
+    if segment_ids is None:
+        return logp
+    first = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
+    return jnp.where(first, 0.0, logp)
+
+
 def token_logprobs(params: Params, tokens: jax.Array, cfg: Qwen2Config, attention_mask=None,
-                   positions=None, temperature: float = 1.0) -> jax.Array:
-    """log p(tokens[:, t] | tokens[:, :t]) for t >= 1 (position 0 gets 0). [B,T] float32."""
-    logits, _ = forward(params, tokens, cfg, positions=positions, attention_mask=attention_mask)
+                   positions=None, temperature: float = 1.0, segment_ids=None) -> jax.Array:
+    """log p(tokens[:, t] | tokens[:, :t]) for t >= 1 (position 0 gets 0). [B,T] float32.
+
+    Packed rows (segment_ids, see `forward`): the context is the token's own segment and the first
+    token of each segment gets 0."""
+    logits, _ = forward(params, tokens, cfg, positions=positions, attention_mask=attention_mask,
+                        segment_ids=segment_ids)
     logp = jax.nn.log_softmax(logits[:, :-1] / temperature, axis=-1)
     picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
-    return jnp.concatenate([jnp.zeros_like(picked[:, :1]), picked], axis=1)
+    return segment_starts_zeroed(jnp.concatenate([jnp.zeros_like(picked[:, :1]), picked], axis=1), segment_ids)
 
 
 def token_logprobs_chunked(params: Params, tokens: jax.Array, cfg: Qwen2Config, attention_mask=None,
-                           positions=None, temperature: float = 1.0, chunk: int = 512) -> jax.Array:
+                           positions=None, temperature: float = 1.0, chunk: int = 512,
+                           segment_ids=None) -> jax.Array:
     """Same values as `token_logprobs`, without materialising the [B,T,V] float32 logits.
 
     logp[:, t] = h_{t-1}·w[tok_t]/τ − logsumexp_v(h_{t-1}·w_v/τ) for t >= 1, logp[:, 0] = 0, where h are
@@ -296,7 +326,7 @@ def token_logprobs_chunked(params: Params, tokens: jax.Array, cfg: Qwen2Config, 
     """
     B, T = tokens.shape
     hidden, _ = forward(params, tokens, cfg, positions=positions, attention_mask=attention_mask,
-                        return_hidden=True)
+                        return_hidden=True, segment_ids=segment_ids)
     n = T - 1
     if n <= 0:
         return jnp.zeros((B, T), jnp.float32)
@@ -315,4 +345,5 @@ def token_logprobs_chunked(params: Params, tokens: jax.Array, cfg: Qwen2Config, 
 
     _, logp = jax.lax.scan(lambda carry, xs: (carry, one_chunk(*xs)), None, (h, targets))
     logp = logp.swapaxes(0, 1).reshape(B, -1)[:, :n]
-    return jnp.concatenate([jnp.zeros((B, 1), jnp.float32), logp.astype(jnp.float32)], axis=1)
+    return segment_starts_zeroed(jnp.concatenate([jnp.zeros((B, 1), jnp.float32), logp.astype(jnp.float32)], axis=1),
+                                 segment_ids)
