@@ -116,7 +116,7 @@ RL_LOG_KEYS = ("em/train", "reward/mean", "reward/original", "probes/created", "
                "probes/success_kept", "groups/all_fail", "groups/rescued", "keep_ratio", "alpha", "err",
                "original/ratio_mean", "probe/ratio_mean", "original/clip_frac", "probe/clip_frac", "kl", "time/step")
 
-QUICK_OVERRIDES = dict(hidden_size=128, intermediate_size=384, head_dim=32, num_person=40, num_city=14, num_country=4, num_company=10, sft_examples=400,
+QUICK_OVERRIDES = dict(hidden_size=128, intermediate_size=384, head_dim=32, num_person=40, num_city=14, num_country=4, num_company=10, sft_examples=400, reading_worlds=1,
                        test_per_hop=10, sft_steps=25, rl_steps=2, num_questions=4, group_size=4,
                        micro_batch=8, curve_every=0, vocab_size=700, probe_prior_questions=8, sft_time_budget_s=None, rl_time_budget_s=None)
 
