@@ -6,6 +6,11 @@ Per trajectory n (policy tokens P = loss_mask minus inserted, inserted tokens I 
     F_n      = |I_n| / (|P_n| + |I_n|)                           retrieval_fraction
     r̂_t      = (1 + 0.05 · F_n) · r_t,   r_t = π_θ / π_old       ratio shaping, PPO clip at ε = 0.28 on r̂
     mask     = loss_mask ∧ ¬I,           β (KL) = 0
+    L        = 1/G Σ_n 1/|P_n| Σ_t loss_t  (aggregation "seq_mean", the paper's; "token_mean": GRPO's)
+
+seq_mean is carried to the update step as two extra arrays (train.update.AGG_KEYS): token_weight [N]
+= 1/|P_n| and count_mask [N, T] (one mark per sequence), so the update's Σ sums / Σ counts over
+micro-batches (and packed rows) is exactly the mean of per-sequence means over the mini-batch.
 
 The update step (make_update_fn) has no ratio hook, but shaping is a per-row constant factor, so it is
 folded into the behaviour log-prob it already takes:
@@ -24,6 +29,7 @@ import numpy as np
 
 from rexrag_jax.rapo.trace_buffer import SEG_RETRIEVED
 from rexrag_jax.rl import rapo as rapo_math
+from rexrag_jax.rl.advantages import group_advantages
 from rexrag_jax.rollout.types import TrajectoryBatch
 from rexrag_jax.train import prepare
 from rexrag_jax.train.update import LossConfig
@@ -37,6 +43,15 @@ class RapoConfig:
     clip_eps: float = rapo_math.RAPO_CLIP_EPS             # 0.28
     kl_coef: float = rapo_math.RAPO_KL_COEF               # β = 0
     success_threshold: float = 1.0                        # reward >= this: steps go into the buffer
+    aggregation: str = "seq_mean"                         # paper: per-sequence token mean, then mean over
+                                                          # sequences; "token_mean": GRPO's token mean
+    seq_len_counts_inserted: bool = False                 # |s_i| in seq_mean: policy tokens (False) or
+                                                          # policy + inserted tokens (True); paper silent
+
+    def __post_init__(self):
+        if self.aggregation not in rapo_math.AGGREGATIONS:
+            raise ValueError(f"RapoConfig.aggregation={self.aggregation!r}: expected one of "
+                             f"{rapo_math.AGGREGATIONS}")
 
     def loss_config(self, temperature: float = 1.0, logprob_chunk: int | None = None) -> LossConfig:
         return LossConfig(eps_low=self.clip_eps, eps_high=self.clip_eps, kl_coef=self.kl_coef,
@@ -65,14 +80,35 @@ def rapo_update_arrays(batch: TrajectoryBatch, rewards, old_logp, entropy, cfg: 
     policy, inserted = masks(batch)
     z = rapo_math.retrieval_rewards(entropy, policy, inserted)
     adv = np.asarray(rapo_math.combined_advantages(rewards, z, batch.group_ids, cfg.ret_adv_coef), np.float32)
+    a_ret = np.asarray(group_advantages(z, batch.group_ids), np.float32)
     f_ret = np.asarray(rapo_math.retrieval_fraction(policy, inserted), np.float32)
     behaviour = old_logp - np.log1p(cfg.ratio_coef * f_ret)[:, None]
     loss_mask = np.asarray(rapo_math.rapo_loss_mask(batch.loss_mask, inserted))
     arrays = {"tokens": batch.tokens, "attention_mask": batch.attention_mask, "loss_mask": loss_mask,
               "behaviour_logp": behaviour.astype(np.float32), "advantages": adv, "is_probe": batch.is_probe}
+    if cfg.aggregation == "seq_mean":
+        weight, count_mask = rapo_math.seq_mean_weights(loss_mask, (loss_mask | inserted)
+                                                        if cfg.seq_len_counts_inserted else None)
+        arrays["token_weight"] = np.asarray(weight, np.float32)
+        arrays["count_mask"] = np.asarray(count_mask, bool)
+    # insertions per trajectory: maximal SEG_RETRIEVED runs
+    ins_runs = (inserted & ~np.concatenate([np.zeros((n, 1), bool), inserted[:, :-1]], axis=1)).sum(axis=1)
+    hybrid = ins_runs > 0
+
+    def mean_std(x):
+        return (float(x.mean()), float(x.std())) if len(x) else (0.0, 0.0)
     stats = {"rapo/retrieval_reward_mean": float(z.mean()) if n else 0.0,
-             "rapo/hybrid_rows": int(inserted.any(axis=1).sum()),
-             "rapo/inserted_fraction_mean": float(f_ret.mean()) if n else 0.0}
+             "rapo/hybrid_rows": int(hybrid.sum()),
+             "rapo/inserted_fraction_mean": float(f_ret.mean()) if n else 0.0,
+             "rapo/insertions_per_traj": float(ins_runs.mean()) if n else 0.0,
+             "rapo/insertions_per_hybrid_traj": float(ins_runs[hybrid].mean()) if hybrid.any() else 0.0}
+    # Z_ret, A_ret over all rows and over the rows with an insertion (pure rows have Z_ret = 0)
+    stats["rapo/z_ret_mean"], stats["rapo/z_ret_std"] = mean_std(z)
+    stats["rapo/z_ret_hybrid_mean"], stats["rapo/z_ret_hybrid_std"] = mean_std(z[hybrid])
+    stats["rapo/a_ret_mean"], stats["rapo/a_ret_std"] = mean_std(a_ret)
+    stats["rapo/a_ret_abs_mean"] = float(np.abs(a_ret).mean()) if n else 0.0
+    stats["rapo/f_ret_mean"], stats["rapo/f_ret_std"] = mean_std(f_ret)
+    stats["rapo/f_ret_hybrid_mean"] = float(f_ret[hybrid].mean()) if hybrid.any() else 0.0
     return arrays, stats
 
 

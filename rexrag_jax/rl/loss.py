@@ -10,7 +10,9 @@ Per loss-masked token t of trajectory i (A = advantage, b = behaviour log-prob, 
     H_t    = -Σ_v p_v log p_v                            (only when logits are given)
     loss_t = pg_t + kl_coef · kl_t - entropy_coef · H_t
 
-The mini-batch loss is the token mean over all loss-masked tokens: L = Σ loss_t / #tokens. To stay
+The mini-batch loss is the token mean over all loss-masked tokens: L = Σ loss_t / #tokens (GRPO, SPEC §6).
+Optional `token_weight` w and `count_mask` c generalise it: L = Σ w_t loss_t / Σ c_t; RAPO's per-sequence
+mean (rl.rapo.seq_mean_weights) is w = 1/|s_i| on row i and c = one mark per sequence. To stay
 exact under gradient accumulation, grpo_token_loss returns the *sum* and the *count* of one micro-batch;
 the trainer accumulates Σ_i ∇ loss_sum_i and divides by Σ_i count_i (or scales each micro-batch's
 loss_sum by 1 / total_count known up front). Averaging per-micro-batch means is NOT the same when
@@ -66,7 +68,8 @@ def _masked_stats(x: jax.Array, m: jax.Array) -> tuple[jax.Array, jax.Array, jax
 def grpo_token_loss(logp: jax.Array, old_logp: jax.Array, ref_logp: jax.Array | None, advantages: jax.Array,
                     loss_mask: jax.Array, eps_low: float = 0.2, eps_high: float = 0.2, kl_coef: float = 0.001,
                     ratio_fn: Callable[[jax.Array], jax.Array] | None = None, is_probe: jax.Array | None = None,
-                    logits: jax.Array | None = None, entropy_coef: float = 0.0
+                    logits: jax.Array | None = None, entropy_coef: float = 0.0,
+                    token_weight: jax.Array | None = None, count_mask: jax.Array | None = None
                     ) -> tuple[jax.Array, jax.Array, dict]:
     """(loss_sum, token_count, metrics) of one micro-batch; see the module docstring.
 
@@ -78,6 +81,9 @@ def grpo_token_loss(logp: jax.Array, old_logp: jax.Array, ref_logp: jax.Array | 
       loss_mask: [N, T] bool; nothing outside it contributes to the loss, the gradient or the metrics.
       is_probe: [N] or per token [N, T] (packed rows hold originals and probes side by side).
       logits: optional [N, T, V] (aligned with logp) for the entropy metric / bonus.
+      token_weight: optional [N] or [N, T] weights of each token's loss in loss_sum (default 1).
+      count_mask: optional [N, T] bool; token_count = its sum instead of the loss-mask count (the
+        metrics stay per loss token either way).
     """
     logp = jnp.asarray(logp, jnp.float32)
     old_logp = jnp.asarray(old_logp, jnp.float32)
@@ -106,8 +112,11 @@ def grpo_token_loss(logp: jax.Array, old_logp: jax.Array, ref_logp: jax.Array | 
     elif entropy_coef != 0.0:
         raise ValueError(f"grpo_token_loss: entropy_coef={entropy_coef} needs logits, got None")
 
+    if token_weight is not None:
+        w = jnp.asarray(token_weight, jnp.float32)
+        per_token = per_token * (w[:, None] if w.ndim == 1 else w)
     loss_sum = jnp.sum(jnp.where(mask, per_token, 0.0))
-    token_count = jnp.sum(mask).astype(jnp.int32)
+    token_count = jnp.sum(mask if count_mask is None else jnp.asarray(count_mask, bool)).astype(jnp.int32)
 
     # Metrics carry no gradient.
     ratio_sg, adv_b = jax.lax.stop_gradient(ratio), jnp.broadcast_to(adv, logp.shape)

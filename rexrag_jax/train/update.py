@@ -4,7 +4,8 @@ Update of one mini-batch (n micro-batches of M trajectories, shapes fixed so one
 every step):
 
     (S_i, C_i) = grpo_token_loss(micro-batch i)           loss sum and loss-token count
-    L          = Σ_i S_i / Σ_i C_i                         token mean over the whole mini-batch
+    L          = Σ_i S_i / Σ_i C_i                         token mean over the whole mini-batch (or, with
+                                                           AGG_KEYS, RAPO's mean of per-sequence means)
     ∇L         = (Σ_i ∇S_i) / Σ_i C_i                      exact: not a mean of per-micro-batch means
     θ'         = θ - lr · (adam(clip(∇L)) + wd · θ)        see optim.py
 
@@ -25,6 +26,7 @@ from rexrag_jax.models.qwen2.config import Qwen2Config
 from rexrag_jax.rl.loss import combine_micro_batches, grpo_token_loss
 
 MICRO_KEYS = ("tokens", "attention_mask", "loss_mask", "behaviour_logp", "advantages", "is_probe")
+AGG_KEYS = ("token_weight", "count_mask")  # optional (RAPO seq_mean aggregation, rl.rapo.seq_mean_weights)
 PACKED_KEYS = ("tokens", "segment_ids", "positions", "loss_mask", "behaviour_logp", "advantages", "is_probe")
 
 
@@ -80,14 +82,16 @@ def logprobs_and_entropy(params, tokens, attention_mask, cfg: Qwen2Config, tempe
 
 def micro_batch_loss(params, mb: dict, cfg: Qwen2Config, loss_cfg: LossConfig):
     """(loss_sum, (token_count, metrics)) of one micro-batch; `mb` holds MICRO_KEYS (+ "ref_logp"), or
-    PACKED_KEYS (+ "ref_logp") for packed rows (advantages and is_probe per token)."""
+    PACKED_KEYS (+ "ref_logp") for packed rows (advantages and is_probe per token). Optional AGG_KEYS
+    ("token_weight" per row or token, "count_mask" per token) change the aggregation (grpo_token_loss):
+    RAPO's per-sequence mean; the count accumulated below is then the number of sequences."""
     logp = policy_logprobs(params, mb["tokens"], mb.get("attention_mask"), cfg, loss_cfg.temperature,
                            loss_cfg.logprob_chunk, mb.get("segment_ids"), mb.get("positions"))
     ref = mb.get("ref_logp")
     loss_sum, count, metrics = grpo_token_loss(
         logp, mb["behaviour_logp"], ref, mb["advantages"], mb["loss_mask"], eps_low=loss_cfg.eps_low,
         eps_high=loss_cfg.eps_high, kl_coef=loss_cfg.kl_coef if ref is not None else 0.0,
-        is_probe=mb["is_probe"])
+        is_probe=mb["is_probe"], token_weight=mb.get("token_weight"), count_mask=mb.get("count_mask"))
     return loss_sum, (count, metrics)
 
 
