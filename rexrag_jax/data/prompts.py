@@ -13,8 +13,11 @@ PROMPT_TEMPLATE = (
 )
 
 
-def build_prompt_text(question: str) -> str:
-    """PROMPT_TEMPLATE with q = question.strip(), plus "?" when q does not already end with one."""
+def build_prompt_text(question: str, note: str = "") -> str:
+    """PROMPT_TEMPLATE with q = question.strip(), plus "?" when q does not already end with one.
+
+    note: an extra instruction sentence placed right before "Question:" (RAPO's sentence about
+    `<retrieve>` blocks, rapo.hybrid_rollout); "" leaves the Search-R1 prompt unchanged."""
     if not isinstance(question, str):
         raise TypeError(f"question must be a string, got {type(question).__name__}")
     q = question.strip()
@@ -22,16 +25,20 @@ def build_prompt_text(question: str) -> str:
         raise ValueError("question is empty")
     if not q.endswith("?"):
         q += "?"
-    return PROMPT_TEMPLATE.format(question=q)
+    text = PROMPT_TEMPLATE.format(question=q)
+    if note and note.strip():
+        head, tail = PROMPT_TEMPLATE.split("Question: {question}")
+        text = f"{head}{note.strip()} Question: {q}{tail}"
+    return text
 
 
-def render_prompt(tokenizer, question: str) -> str:
+def render_prompt(tokenizer, question: str, note: str = "") -> str:
     """tokenizer.apply_chat_template([{"role": "user", "content": build_prompt_text(q)}], add_generation_prompt=True).
 
     Works with rexrag_jax.tokenizers.Tokenizer and with a transformers tokenizer (which would
     tokenize by default, so `tokenize=False` is passed when its signature has that argument).
     """
-    messages = [{"role": "user", "content": build_prompt_text(question)}]
+    messages = [{"role": "user", "content": build_prompt_text(question, note)}]
     kwargs = {"add_generation_prompt": True}
     try:
         if "tokenize" in inspect.signature(tokenizer.apply_chat_template).parameters:

@@ -1,9 +1,11 @@
 """Step-trace buffer of successful trajectories (RAPO, SPEC §8).
 
-Entries are (key, value) = (history before a step, that step's text). A *step* is one model turn: the
-maximal run of policy-generated tokens between two non-policy segments, i.e. a `<think>…<search>…
-</search>` or `<think>…<answer>…</answer>` chunk (an invalid turn counts as a step too; it ends at
-the invalid-action note). Keys are embedded once at insertion (dense, unit-norm: the project's Flax
+Entries are (key, value) = (history before a step, that step with its observation). A *step* is one
+model turn, s_t = (thought, action, observation): the maximal run of policy-generated tokens between
+two non-policy segments (a `<think>…<search>…</search>` or `<think>…<answer>…</answer>` chunk; an
+invalid turn counts as a step too) followed by the retrieval result the search got (the SEG_INFO run
+right after it, `\n\n<information>…</information>\n\n`). Storing the observation is what lets a
+hybrid rollout insert the step without a new tool call (rapo.hybrid_rollout). Keys are embedded once at insertion (dense, unit-norm: the project's Flax
 MiniLM by default) and searched by inner product (exact by default; ScaNN for very large buffers).
 
 History text (what a key holds, `history_key`): the question plus the tail of the trajectory after
@@ -25,7 +27,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from rexrag_jax.rollout.types import SEG_RESPONSE, TrajectoryBatch
+from rexrag_jax.rollout.types import SEG_INFO, SEG_RESPONSE, TrajectoryBatch
 
 SEG_RETRIEVED = 6  # inserted RAPO step tokens (beyond rollout.types' SEG_* codes 0..5)
 EncodeFn = Callable[[Sequence[str]], np.ndarray]
@@ -38,8 +40,9 @@ def history_key(question: str, response_so_far: str, max_chars: int = 1000) -> s
 
 
 def trajectory_steps(batch: TrajectoryBatch, n: int, decode: Callable[[list[int]], str],
-                     max_chars: int = 1000) -> list[tuple[str, str]]:
-    """[(history_key, step_text)] for each policy step (maximal SEG_RESPONSE run) of trajectory n.
+                     max_chars: int = 1000, with_observation: bool = True) -> list[tuple[str, str]]:
+    """[(history_key, step_text)] for each policy step (maximal SEG_RESPONSE run) of trajectory n; with
+    `with_observation` the step text includes the observation (SEG_INFO run) that directly follows it.
 
     Inserted steps (SEG_RETRIEVED) are not returned (they came from the buffer) but stay in the history.
     """
@@ -55,7 +58,11 @@ def trajectory_steps(batch: TrajectoryBatch, n: int, decode: Callable[[list[int]
         s = t
         while t < length and segs[t] == SEG_RESPONSE:
             t += 1
-        step = decode(toks[s:t].tolist())
+        end = t
+        if with_observation:
+            while end < length and segs[end] == SEG_INFO:
+                end += 1
+        step = decode(toks[s:end].tolist())
         if step.strip():
             out.append((history_key(question, decode(toks[prompt_len:s].tolist()), max_chars), step))
     return out

@@ -1,11 +1,13 @@
 """RAPO run type: the project's Trainer with hybrid rollouts and the RAPO update inputs.
 
 One RAPO step s = Trainer.train_step with these hooks (differences in brackets):
-  1. questions → hybrid rollouts [run_hybrid_rollouts: buffer steps spliced in with p = 0.5; no probes]
+  1. questions → hybrid rollouts [run_hybrid_rollouts: in N_hybrid rows per group, buffer steps (with
+     their observations, no tool call) spliced in with p = 0.5 from step 1 on, never twice in a row; no probes]
   2. rewards R (prepare.score), fit_length
   3. π_old log-probs + entropies (the Trainer's old-policy pass) [entropies feed the retrieval reward]
   4. [rapo_update_arrays: A = (1 + 0.2 A_ret) A_acc, inserted tokens masked, ratio shaping folded
-     into the behaviour log-prob] — no probe filtering, no behaviour density, β = 0
+     into the behaviour log-prob, per-sequence mean aggregation] — no probe filtering, no behaviour
+     density, β = 0
   5. mini-batch updates with the Trainer's jitted update step (ε = 0.28 from TrainConfig)
   6. [every policy step of each trajectory with R >= 1 goes into the trace buffer]
 Checkpoints also write the buffer to <run_dir>/trace_buffer/<step> (atomic), restored with the step.
@@ -64,6 +66,12 @@ class RapoTrainer(Trainer):
         for attr in ("buffer", "tokenizer"):
             if not hasattr(self.rollout, attr):
                 raise ValueError(f"RapoTrainer: the rollout source {type(self.rollout).__name__} has no .{attr}")
+        hybrid = getattr(self.rollout, "hybrid", None)
+        if hybrid is not None:  # fail at start, not at the first rollout
+            try:
+                hybrid.hybrid_rows(c.group_size)
+            except ValueError as e:
+                raise ValueError(f"RapoTrainer: {e} (TrainConfig.group_size); bind NUM_HYBRID with GROUP_SIZE") from None
         self.buffer_root = os.path.join(self.run_dir, "trace_buffer")
 
     # Trainer.train_step with the RAPO hooks: no probes (use_probes is False, checked above), no
@@ -74,8 +82,18 @@ class RapoTrainer(Trainer):
         metrics.update({"reward/mean": float(rewards.mean()), "em/train": float(correct.mean()),
                         "entropy": float((entropy * mask).sum() / max(mask.sum(), 1)),
                         "rapo/inserted_tokens": int((batch.segments == SEG_RETRIEVED).sum()),
+                        "searches/mean": float(batch.num_searches.mean()),  # tool calls actually made
                         "batch/trajectories": batch.size})
         return arrays, metrics
+
+    def train_step(self) -> dict:
+        metrics = super().train_step()
+        # the update's ratio is the shaped one (rapo.hook folds 1 + m F_ret into the behaviour log-prob)
+        if "all/clip_frac" in metrics:
+            metrics["rapo/shaped_ratio_clip_frac"] = metrics["all/clip_frac"]
+        if "rollout/hit_score_mean" in metrics:
+            metrics["rapo/buffer_hit_similarity"] = metrics["rollout/hit_score_mean"]
+        return metrics
 
     def _after_update(self, batch, rewards) -> dict:
         added = self.rollout.buffer.add_successful(batch, rewards, self.rollout.tokenizer.decode,

@@ -202,7 +202,9 @@ class _Traj:
 
 class _Rollout:
     """State of one rollout. rapo.hybrid_rollout subclasses it: keep __init__'s signature, start / turn /
-    finish, and the attributes B, row_traj, trajs, tok, cfg, stats, engine stable."""
+    finish, _append, and the attributes B, row_traj, trajs, ctx, tok, cfg, stats, engine, prompt_note stable."""
+
+    prompt_note = ""  # extra instruction sentence in every prompt (data.prompts.build_prompt_text); RAPO sets it
 
     def __init__(self, engine, tokenizer, retriever, config: RolloutConfig, pool_tokens, np_rng, num_originals):
         self.max_probes = max_probes(num_originals, config)
@@ -257,7 +259,7 @@ class _Rollout:
     def start(self, examples, group_size):
         pending = {}
         for i, ex in enumerate(examples):
-            ptoks = self.tok.encode(render_prompt(self.tok, ex.question))
+            ptoks = self.tok.encode(render_prompt(self.tok, ex.question, self.prompt_note))
             for _ in range(group_size):
                 r = len(self.trajs)
                 self.trajs.append(_Traj(group_id=i, example=ex, prompt_len=len(ptoks), tokens=list(ptoks),

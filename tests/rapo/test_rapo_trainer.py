@@ -52,6 +52,10 @@ def test_rapo_trainer_steps_buffer_and_resume(tmp_path):
     for r in rows:
         assert r["rapo/hybrid_rows"] == 4 and r["rapo/inserted_tokens"] == 8 and r["skipped_updates"] == 0
         assert 0 <= r["rapo/inserted_fraction_mean"] < 1 and np.isfinite(r["loss"])
+        assert r["rapo/insertions_per_hybrid_traj"] == 1.0 and r["rapo/insertions_per_traj"] == 0.5
+        for k in ("rapo/z_ret_mean", "rapo/z_ret_std", "rapo/a_ret_std", "rapo/f_ret_mean",
+                  "rapo/shaped_ratio_clip_frac", "searches/mean"):
+            assert np.isfinite(r[k]), k
         assert r["all/ratio_max"] <= 1.05 + 1e-3  # on-policy ratio 1, shaped by at most (1 + 0.05 F)
     buf = trainer.rollout.buffer
     assert len(buf) == rows[-1]["rapo/buffer_size"] == rows[0]["rapo/buffer_added"] + rows[1]["rapo/buffer_added"] > 0
@@ -80,7 +84,9 @@ def test_gin_rapo_binds_hyperparameters():
         tc, rc, hc = TrainConfig(), RapoConfig(), HybridConfig()
         assert (tc.eps_low, tc.eps_high, tc.kl_coef, tc.use_probes) == (0.28, 0.28, 0.0, False)
         assert (rc.ret_adv_coef, rc.ratio_coef, rc.clip_eps, rc.kl_coef) == (0.2, 0.05, 0.28, 0.0)
-        assert hc.insert_prob == 0.5 and not hc.insert_answers
+        assert hc.insert_prob == 0.5 and hc.num_hybrid == 8 and "<retrieve>" in hc.prompt_note
+        assert (tc.num_questions, tc.group_size, tc.rollout_batch, tc.mini_batch) == (32, 16, 512, 256)
+        assert rc.aggregation == "seq_mean"
         assert "@HybridSearchRollout()" in gin.config_str() and "RapoTrainer.rapo = @RapoConfig()" in gin.config_str()
     finally:
         gin.clear_config()
@@ -108,8 +114,19 @@ def test_rapo_entry_point_runs_tiny_gin(tmp_path):
     assert rc == 0 and trainer_mod.Trainer.__name__ == "Trainer"  # nothing patched
     rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all("rapo/retrieval_reward_mean" in r for r in rows)
-    assert rows[0]["rapo/inserted_tokens"] > 0
+    assert rows[0]["rapo/inserted_tokens"] > 0 and rows[0]["rapo/hybrid_rows"] <= rows[0]["batch/trajectories"] // 2
     assert (tmp_path / "trace_buffer" / "2" / "entries.json").exists()
     operative = (tmp_path / "operative_config.gin").read_text()
     assert "RAPO_CLIP_EPS = 0.28" in operative and "RapoTrainer.rapo = @RapoConfig()" in operative
     assert "run_type.trainer = @RapoTrainer" in operative
+
+
+def test_rapo_trainer_rejects_more_hybrid_rows_than_the_group(tmp_path):
+    from rexrag_jax.rapo.hybrid_rollout import HybridConfig
+    src = FakeHybridSource()
+    src.hybrid = HybridConfig(num_hybrid=8)  # gin/rapo.gin's NUM_HYBRID with a miniature group of 4
+    with pytest.raises(ValueError, match="num_hybrid=8 > group_size=4.*bind NUM_HYBRID with GROUP_SIZE"):
+        RapoTrainer(str(tmp_path), model_cfg=Qwen2Config.from_preset("tiny"), rollout=src,
+                    config=TrainConfig(num_questions=2, group_size=4, mini_batch=8, micro_batch=4, eps_low=0.28,
+                                       eps_high=0.28, kl_coef=0.0, use_probes=False),
+                    train_examples=synthetic_examples(16), use_tensorboard=False)

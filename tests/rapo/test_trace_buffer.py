@@ -125,12 +125,14 @@ def test_trajectory_steps_and_add_successful():
     batch = T.TrajectoryBatch.from_records([_record(chunks, ex), _record(chunks[:2], ex)], pad_id=0)
     steps = trajectory_steps(batch, 0, TOK.decode)
     body = [c[1] for c in chunks[1:]]
-    assert steps == [(history_key("who is x", ""), body[0]),
+    # a step is (thought, action, observation): the search step carries the information that followed it
+    assert steps == [(history_key("who is x", ""), body[0] + body[1]),
                      (history_key("who is x", "".join(body[:4])), body[4])]
+    assert trajectory_steps(batch, 0, TOK.decode, with_observation=False)[0][1] == body[0]
     assert history_key("q ", "abcdef", max_chars=3) == "q\ndef"
     buf = make_buffer()
     assert buf.add_successful(batch, np.array([1.0, 0.0]), TOK.decode) == 2
-    assert buf.values == [body[0], body[4]]
+    assert buf.values == [body[0] + body[1], body[4]]
     with pytest.raises(ValueError, match="rewards shape"):
         buf.add_successful(batch, np.array([1.0]), TOK.decode)
 
