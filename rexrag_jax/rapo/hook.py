@@ -3,7 +3,7 @@
 Per trajectory n (policy tokens P = loss_mask minus inserted, inserted tokens I = SEG_RETRIEVED):
     Z_n      = retrieval_rewards(H_old, P, I)                    entropy drop around insertions (rl.rapo)
     A_n      = (1 + 0.2 · A_ret,n) · A_acc,n                     combined_advantages(R, Z, groups)
-    F_n      = |I_n| / (|P_n| + |I_n|)                           retrieval_fraction
+    F_n      = |I_n| / (|P_n| + |I_n|)                           retrieval_fraction (f_ret_length)
     r̂_t      = (1 + 0.05 · F_n) · r_t,   r_t = π_θ / π_old       ratio shaping, PPO clip at ε = 0.28 on r̂
     mask     = loss_mask ∧ ¬I,           β (KL) = 0
     L        = 1/G Σ_n 1/|P_n| Σ_t loss_t  (aggregation "seq_mean", the paper's; "token_mean": GRPO's)
@@ -30,9 +30,12 @@ import numpy as np
 from rexrag_jax.rapo.trace_buffer import SEG_RETRIEVED
 from rexrag_jax.rl import rapo as rapo_math
 from rexrag_jax.rl.advantages import group_advantages
-from rexrag_jax.rollout.types import TrajectoryBatch
+from rexrag_jax.rollout.types import SEG_PROMPT, TrajectoryBatch
 from rexrag_jax.train import prepare
 from rexrag_jax.train.update import LossConfig
+
+
+F_RET_LENGTHS = ("response", "after_prompt")
 
 
 @gin.configurable
@@ -47,11 +50,16 @@ class RapoConfig:
                                                           # sequences; "token_mean": GRPO's token mean
     seq_len_counts_inserted: bool = False                 # |s_i| in seq_mean: policy tokens (False) or
                                                           # policy + inserted tokens (True); paper silent
+    f_ret_length: str = "response"                        # F_ret denominator: "response" = policy +
+                                                          # inserted tokens; "after_prompt" = every token
+                                                          # after the prompt (observations, notes too)
 
     def __post_init__(self):
         if self.aggregation not in rapo_math.AGGREGATIONS:
             raise ValueError(f"RapoConfig.aggregation={self.aggregation!r}: expected one of "
                              f"{rapo_math.AGGREGATIONS}")
+        if self.f_ret_length not in F_RET_LENGTHS:
+            raise ValueError(f"RapoConfig.f_ret_length={self.f_ret_length!r}: expected one of {F_RET_LENGTHS}")
 
     def loss_config(self, temperature: float = 1.0, logprob_chunk: int | None = None) -> LossConfig:
         return LossConfig(eps_low=self.clip_eps, eps_high=self.clip_eps, kl_coef=self.kl_coef,
@@ -81,7 +89,10 @@ def rapo_update_arrays(batch: TrajectoryBatch, rewards, old_logp, entropy, cfg: 
     z = rapo_math.retrieval_rewards(entropy, policy, inserted)
     adv = np.asarray(rapo_math.combined_advantages(rewards, z, batch.group_ids, cfg.ret_adv_coef), np.float32)
     a_ret = np.asarray(group_advantages(z, batch.group_ids), np.float32)
-    f_ret = np.asarray(rapo_math.retrieval_fraction(policy, inserted), np.float32)
+    after_prompt = None
+    if cfg.f_ret_length == "after_prompt":
+        after_prompt = batch.attention_mask & (batch.segments != SEG_PROMPT)
+    f_ret = np.asarray(rapo_math.retrieval_fraction(policy, inserted, after_prompt), np.float32)
     behaviour = old_logp - np.log1p(cfg.ratio_coef * f_ret)[:, None]
     loss_mask = np.asarray(rapo_math.rapo_loss_mask(batch.loss_mask, inserted))
     arrays = {"tokens": batch.tokens, "attention_mask": batch.attention_mask, "loss_mask": loss_mask,

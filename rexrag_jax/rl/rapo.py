@@ -120,11 +120,20 @@ def combined_advantages(rewards, z_ret, group_ids, coef: float = RET_ADV_COEF,
     return (1.0 + coef * a_ret) * a_acc
 
 
-def retrieval_fraction(policy_mask, inserted_mask) -> jax.Array:
-    """F_ret [N] = #inserted / (#policy + #inserted) tokens per trajectory (0 when both are 0)."""
+def retrieval_fraction(policy_mask, inserted_mask, length_mask=None) -> jax.Array:
+    """F_ret [N] = #inserted / trajectory length per trajectory (0 for an empty row).
+
+    Length = #policy + #inserted tokens by default (the response the model "wrote" or was given as its
+    own steps), or the tokens of `length_mask` when given (e.g. every token after the prompt,
+    observations included: RapoConfig.f_ret_length = "after_prompt"). The paper's denominator is
+    ambiguous (SPEC §8); docs/rapo.md.
+    """
     ins = jnp.sum(jnp.asarray(inserted_mask, bool), axis=1).astype(jnp.float32)
-    pol = jnp.sum(jnp.asarray(policy_mask, bool), axis=1).astype(jnp.float32)
-    return ins / jnp.maximum(ins + pol, 1.0)
+    if length_mask is None:
+        length = ins + jnp.sum(jnp.asarray(policy_mask, bool), axis=1).astype(jnp.float32)
+    else:
+        length = jnp.sum(jnp.asarray(length_mask, bool), axis=1).astype(jnp.float32)
+    return ins / jnp.maximum(length, 1.0)
 
 
 def shaped_ratio_fn(f_ret, coef: float = RATIO_SHAPING_COEF) -> Callable[[jax.Array], jax.Array]:

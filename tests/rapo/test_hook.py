@@ -71,6 +71,12 @@ def test_update_arrays_by_hand():
     np.testing.assert_allclose(wi["token_weight"], [1 / 6, 1 / 3, 1 / 5, 1 / 4])
     with pytest.raises(ValueError, match="aggregation='mean'"):
         RapoConfig(aggregation="mean")
+    # F_ret over every token after the prompt (policy, inserted, info): rows have 7, 3, 5, 4 such tokens
+    fa, _ = rapo_update_arrays(batch, rewards, old, ent, RapoConfig(f_ret_length="after_prompt"))
+    f_all = np.array([2 / 7, 0.0, 3 / 5, 2 / 4])
+    np.testing.assert_allclose(fa["behaviour_logp"], old - np.log(1 + 0.05 * f_all)[:, None], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="f_ret_length='all'"):
+        RapoConfig(f_ret_length="all")
     with pytest.raises(ValueError, match="expected \\(4,\\), \\(4, 10\\), \\(4, 10\\)"):
         rapo_update_arrays(batch, rewards, old[:, :5], ent)
 
