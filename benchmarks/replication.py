@@ -50,10 +50,12 @@ ARMS = {"grpo": dict(use_probes=False), "rexrag_nocorr": dict(use_probes=True, p
 COMPARISONS = (("rexrag", "grpo"), ("rexrag", "rexrag_nocorr"), ("rexrag_nocorr", "grpo"))
 # No time budgets: SFT runs all its steps and RL all its steps whatever the machine's load (the demo's 540 s
 # SFT budget stops it early on a busy box, which made one world's warm start fail in an earlier run).
+# 4 reading worlds and 15% self-reflection records (rexrag_jax/demo.py DemoConfig, docs/benchmarks/demo.md);
 # 1600 SFT steps: with 4 reading worlds (12k records) the copying (reading the observation) forms late: world 0
 # at 1200 steps read neither seen nor unseen facts (EM 20), world 1 at 1600 read both (EM 53).
 REPLICATION_DEFAULTS = dict(test_per_hop=300, curve_every=0, rl_time_budget_s=None, sft_time_budget_s=None,
-                            probe_prior_questions=200, sft_steps=1600)
+                            probe_prior_questions=200, sft_steps=1600,
+                            reading_worlds=4, trap_reflect_share=0.15)
 # two-sided 95% t quantiles, df 1..10 (beyond: 1.96 + 2.5/df, within 0.01)
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -63,14 +63,14 @@ class DemoConfig:
     # reflects on its own after a trap, rarely (the base LLM's rare self-reflection), which is what the
     # probes' prompt tokens reinforce under the policy correction (a prompt the policy never emits has
     # importance weight ~0 there).
-    trap_reflect_share: float = 0.15
+    trap_reflect_share: float = 0.0    # benchmarks/replication.py: 0.15
     # reading worlds: the warm start also learns from the train questions of this many worlds with the
     # same names but re-drawn facts (observations from their own corpus). Trained on one world only, the
     # policy memorises its facts and ignores what it retrieves (issue 12: held-out EM 0-8% on questions
     # whose facts no train trajectory shows, vs 11-69% on the rest), so its errors are recall errors that
     # neither searching on nor a probe can fix. With facts that differ between worlds, reading is the
     # only way to lower the loss.
-    reading_worlds: int = 4
+    reading_worlds: int = 0            # benchmarks/replication.py: 4 (with 1,600 SFT steps)
     probe_prior_questions: int = 96     # greedy-wrong held-out questions for the probe vs fresh-sample measure
     sft_examples: int = 0               # warm-start trajectories used (0: the whole train split)
     test_per_hop: int = 100             # held-out questions per hop count

@@ -201,7 +201,7 @@ def test_config_from_gin_file_bindings_and_quick():
     # trap dead ends from gin/demo.gin, equal to the dataclass defaults
     assert (cfg.dead_end_fraction, cfg.num_trap_relations, cfg.trap_dead_end_prob) == (0.0, 3, 0.85)
     d = demo.DemoConfig()
-    assert (cfg.trap_reflect_share, cfg.reading_worlds) == (d.trap_reflect_share, d.reading_worlds) == (0.15, 4)
+    assert (cfg.trap_reflect_share, cfg.reading_worlds) == (d.trap_reflect_share, d.reading_worlds) == (0.0, 0)
     quick = demo.parse_config([], [], quick=True)
     assert quick.rl_steps == demo.QUICK_OVERRIDES["rl_steps"] and quick.sft_steps == demo.QUICK_OVERRIDES["sft_steps"]
     with pytest.raises(ValueError):
