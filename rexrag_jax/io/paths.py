@@ -197,10 +197,11 @@ def upload_file(local: str, remote) -> None:
         shutil.copyfileobj(src, dst, 16 << 20)
 
 
-def upload_dir(local_dir: str, remote_dir, last: tuple[str, ...] = ()) -> None:
+def upload_dir(local_dir: str, remote_dir, last: tuple[str, ...] = (), prune: bool = False) -> None:
     """Copy every file under local_dir to remote_dir (same relative names). Files named in `last` (e.g. a
     manifest) are deleted from remote_dir first and uploaded after all others, so a reader that finds
-    them knows the upload finished."""
+    them knows the upload finished. prune: also delete files under remote_dir that local_dir does not
+    have (after `last` is gone, so no reader takes the mix of old and new files for a finished copy)."""
     remote = as_path(remote_dir)
     for name in last:
         if (remote / name).exists():
@@ -210,6 +211,11 @@ def upload_dir(local_dir: str, remote_dir, last: tuple[str, ...] = ()) -> None:
         for n in names:
             rel = os.path.relpath(os.path.join(root, n), local_dir)
             files.append(rel)
+    if prune and remote.exists():
+        keep = {tuple(rel.split(os.sep)) for rel in files}
+        for src_path, rel in list(_walk_files(remote)):
+            if rel not in keep:
+                src_path.unlink()
     for rel in sorted(files, key=lambda r: (r in last, r)):
         dst = remote
         for part in rel.split(os.sep):
@@ -236,6 +242,50 @@ def download_dir(remote_dir, local_dir: str) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def list_files(path) -> list[str]:
+    """Relative names ('a/b.txt', '/'-separated) of every file under `path`, sorted ([] when missing)."""
+    p = as_path(path)
+    if not p.exists():
+        return []
+    return ["/".join(rel) for _, rel in _walk_files(p)]
+
+
+def remove_tree(path) -> None:
+    """rm -rf for a local dir or everything under a URL prefix; a missing path is not an error."""
+    s = os.fspath(path)
+    if is_remote(s):
+        p = as_path(s)
+        if p.exists():
+            p.rmtree()
+    else:
+        shutil.rmtree(os.path.abspath(s), ignore_errors=True)
+
+
+def download_file(remote, local: str) -> None:
+    """Copy one file (URL or local path) to the local path `local`, via a temp file and a rename."""
+    local = os.path.abspath(local)
+    os.makedirs(os.path.dirname(local), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".download-", dir=os.path.dirname(local))
+    try:
+        with open_file(remote, "rb") as src, os.fdopen(fd, "wb") as out:
+            shutil.copyfileobj(src, out, 16 << 20)
+        os.replace(tmp, local)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def basename(path) -> str:
+    """Last component of a local path or a URL (no os.path on URLs)."""
+    return as_path(path).name
+
+
+def dirname(path) -> str:
+    """Parent of a local path or a URL, as a string."""
+    return os.fspath(as_path(path).parent)
 
 
 def _walk_files(root: epath.Path, prefix: tuple[str, ...] = ()):

@@ -8,15 +8,22 @@
 `--corpus` / `--index_dir` are shorthands for those bindings. The resolved config is saved as
 `index_dir/config.gin`; serve-retriever reads it first (so the query encoder matches the index),
 then the given gin files and bindings.
+
+Index dirs (and the corpus / part files) may be gs:// URLs (rexrag_jax.io.paths; rexrag_jax.retrieval.index
+stages them through a local cache dir). A malformed URL, a missing bucket or unreachable storage is one line
+on stderr and exit status 2, before any encoder is loaded.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import sys
 
 import gin
 
-from rexrag_jax.retrieval.index import Index, build_index
+from rexrag_jax.io import paths
+from rexrag_jax.retrieval.index import Index, build_index, local_dir_of
 from rexrag_jax.retrieval.retriever import LocalRetriever
 from rexrag_jax.retrieval.server import ServerLimits, serve
 
@@ -68,6 +75,28 @@ def _gin_str(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def _remote_errors_exit_2(prog: str):
+    """RemotePathError (bad URL, missing bucket, unreachable storage) -> `prog: message` on stderr, exit 2."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(argv=None) -> int:
+            try:
+                return fn(argv)
+            except paths.RemotePathError as e:
+                print(f"{prog}: {e}", file=sys.stderr)
+                return 2
+        return inner
+    return wrap
+
+
+def _check_remote(*urls) -> None:
+    """Bucket checks for the remote ones of `urls` (each raises RemotePathError, one line)."""
+    for u in urls:
+        if u and paths.is_remote(u):
+            paths.check_remote_dir(u)
+
+
+@_remote_errors_exit_2("rexrag build-index")
 def build_index_main(argv=None) -> int:
     a = _parse(argv, "rexrag build-index", [
         (("--corpus",), dict(help="corpus jsonl/json (= retrieval.build.corpus_path)")),
@@ -80,6 +109,7 @@ def build_index_main(argv=None) -> int:
         bindings.append(f"retrieval.build.index_dir = {_gin_str(a.index_dir)}")
     gin.parse_config_files_and_bindings(a.gin_file, bindings)
     settings = build_settings()
+    _check_remote(settings["index_dir"], settings["corpus_path"])  # cheap errors before the encoder loads
     encoder = make_encoder()
     config = gin.config_str()
     index_dir = build_index(encoder=encoder, progress=not a.quiet, extra_files={"config.gin": config}, **settings)
@@ -88,6 +118,7 @@ def build_index_main(argv=None) -> int:
     return 0
 
 
+@_remote_errors_exit_2("rexrag merge-index")
 def merge_index_main(argv=None) -> int:
     """Merge part indexes built on separate hosts (docs/retrieval.md). The searcher and ScaNN settings
     come from `retrieval.build.searcher / exact_max_rows / scann_params` (e.g. gin/retriever/e5_scann.gin);
@@ -108,11 +139,11 @@ def merge_index_main(argv=None) -> int:
         except ValueError:
             return default
 
-    cfg_path = os.path.join(a.parts[0], "config.gin")
+    _check_remote(a.index_dir, *a.parts, *(a.corpus_parts or []))
+    cfg_path = paths.join(a.parts[0], "config.gin")
     extra = {}
-    if os.path.isfile(cfg_path):
-        with open(cfg_path, encoding="utf-8") as f:
-            extra["config.gin"] = f.read()
+    if paths.isfile(cfg_path):
+        extra["config.gin"] = paths.read_text(cfg_path)
     index_dir = merge_indexes(a.parts, a.index_dir, searcher=bound("searcher", "auto"),
                               exact_max_rows=bound("exact_max_rows", 100_000), scann_params=bound("scann_params", None),
                               corpus_paths=a.corpus_parts, extra_files=extra, progress=not a.quiet)
@@ -122,12 +153,14 @@ def merge_index_main(argv=None) -> int:
     return 0
 
 
+@_remote_errors_exit_2("rexrag serve-retriever")
 def serve_main(argv=None) -> int:
     a = _parse(argv, "rexrag serve-retriever", [
         (("--index_dir",), dict(required=True)),
         (("--host",), dict(default=None, help="bind address (default 127.0.0.1)")),
         (("--port",), dict(type=int, default=None))])
-    files = [f for f in [os.path.join(a.index_dir, "config.gin")] if os.path.isfile(f)] + a.gin_file
+    local = local_dir_of(a.index_dir)  # a gs:// index: its local cache copy (downloaded when stale)
+    files = [f for f in [os.path.join(local, "config.gin")] if os.path.isfile(f)] + a.gin_file
     bindings = list(a.gin_bindings)
     if a.host:
         bindings.append(f"retrieval.serve.host = {_gin_str(a.host)}")

@@ -18,6 +18,8 @@ import json
 import os
 from typing import Iterator
 
+from rexrag_jax.io import paths
+
 
 class CorpusError(ValueError):
     """A corpus row that cannot be mapped onto {id, contents}."""
@@ -61,18 +63,18 @@ def _row_to_passage(row, where: str, default_id: str) -> Passage:
 
 
 def _is_json_list(path: str) -> bool:
-    with open(path, "rb") as f:
+    with paths.open_file(path, "rb") as f:
         head = f.read(4096).lstrip()
     return head.startswith(b"[")
 
 
 def iter_corpus(path: str | os.PathLike) -> Iterator[Passage]:
     """Yield `Passage`s from a jsonl corpus (streamed) or a JSON list file, in file order."""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
+    path = os.fspath(path)  # a local path or a gs:// URL (read through rexrag_jax.io.paths, streamed)
+    if not paths.isfile(path):
         raise FileNotFoundError(f"corpus file not found: {path}")
     if _is_json_list(path):
-        with open(path, encoding="utf-8") as f:
+        with paths.open_file(path, "r", encoding="utf-8") as f:
             try:
                 rows = json.load(f)
             except json.JSONDecodeError as e:
@@ -82,7 +84,7 @@ def iter_corpus(path: str | os.PathLike) -> Iterator[Passage]:
         for i, row in enumerate(rows):
             yield _row_to_passage(row, f"{path}: item {i}", str(i))
         return
-    with open(path, "rb") as f:
+    with paths.open_file(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
@@ -108,9 +110,10 @@ def read_corpus(path: str | os.PathLike) -> list[Passage]:
 
 
 def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    """Streaming sha256 of a file's bytes (the corpus checksum recorded in an index manifest)."""
+    """Streaming sha256 of a file's bytes (the corpus checksum recorded in an index manifest); a local path
+    or a gs:// URL."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with paths.open_file(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()

@@ -12,9 +12,20 @@ Crash safety: everything is built in `index_dir + ".partial"`. Embeddings are en
 into the memmap; after each shard is flushed `build_state.json` records it, so a rerun with the same
 corpus/encoder/shard size resumes at the first unfinished shard. Only a complete build is swapped in
 (rename), so an existing good index is never clobbered by a failed build.
+
+`index_dir` may be a gs:// URL (through rexrag_jax.io.paths). ScaNN and the memmaps need local files, so a
+remote index is built in its local cache dir (`paths.local_cache_dir(url)`: $REXRAG_REMOTE_CACHE, else
+~/.cache/rexrag_jax/remote/gs/BUCKET/KEY; `.partial` and its resume state live there too) and then
+uploaded, manifest.json last (deleted first, and stale objects of an older build removed), so a reader that
+finds the manifest finds a finished upload. `Index.load(url)` checks the remote manifest, downloads the
+index into the same cache dir unless the cached manifest is byte-equal to the remote one, and opens the
+local copy. GCS has no rename: while an index is being re-uploaded over an old one, readers see no
+manifest ("not an index directory") rather than a mix.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -23,6 +34,7 @@ import time
 import numpy as np
 from tqdm.auto import tqdm
 
+from rexrag_jax.io import paths
 from rexrag_jax.retrieval.corpus import file_sha256
 from rexrag_jax.retrieval.docstore import DocStore, write_docstore
 from rexrag_jax.retrieval.searcher import ExactSearcher, ScannSearcher
@@ -63,9 +75,82 @@ def build_index(corpus_path: str, index_dir: str, encoder, *, searcher: str = "a
                 extra_files: dict[str, str] | None = None, progress: bool = True) -> str:
     """Encode `corpus_path` with `encoder` and write a complete index to `index_dir`; returns index_dir.
 
-    `extra_files` ({name: text}) are written into the index (e.g. the resolved gin config).
+    `extra_files` ({name: text}) are written into the index (e.g. the resolved gin config). `corpus_path`
+    and `index_dir` may be gs:// URLs (a remote index is built in its local cache dir, then uploaded).
     """
-    corpus_path, index_dir = os.path.abspath(corpus_path), os.path.abspath(index_dir.rstrip("/"))
+    corpus_path = paths.as_str(corpus_path)
+    with staged_output(index_dir) as (index_dir, local_dir):
+        _build_local(corpus_path, local_dir, encoder, searcher=searcher, exact_max_rows=exact_max_rows,
+                     shard_size=shard_size, scann_params=scann_params, extra_files=extra_files, progress=progress)
+    return index_dir
+
+
+def normalize_dir(index_dir: str) -> str:
+    """An absolute local path, or the URL (syntax-checked), without a trailing '/'."""
+    s = os.fspath(index_dir)
+    return paths.as_str(s.rstrip("/")) if paths.is_remote(s) else os.path.abspath(s.rstrip("/"))
+
+
+@contextlib.contextmanager
+def staged_output(index_dir: str):
+    """(index_dir normalised, the local dir to write the finished index to). For a URL the bucket is checked
+    first (RemotePathError, one line), the index is written to its local cache dir, and uploaded when the
+    block finishes without error."""
+    index_dir = normalize_dir(index_dir)
+    if not paths.is_remote(index_dir):
+        yield index_dir, index_dir
+        return
+    paths.check_remote_dir(index_dir)
+    local = paths.local_cache_dir(index_dir)
+    yield index_dir, local
+    publish(local, index_dir)
+
+
+def publish(local_dir: str, url: str) -> None:
+    """Upload a finished local index to `url`: manifest deleted first and uploaded last, stale objects of an
+    older index under `url` removed."""
+    with _cache_lock(local_dir):
+        paths.upload_dir(local_dir, url, last=(MANIFEST,), prune=True)
+
+
+@contextlib.contextmanager
+def _cache_lock(local_dir: str):
+    """An exclusive lock on `local_dir + ".lock"` (processes on one host sharing a cache dir)."""
+    os.makedirs(os.path.dirname(local_dir), exist_ok=True)
+    with open(local_dir + ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def local_dir_of(index_dir: str) -> str:
+    """A local directory holding `index_dir`'s files: the path itself when local; for a URL its cache dir,
+    downloaded unless the cached manifest.json equals the remote one byte for byte. Raises IndexLoadError
+    (no remote manifest, or it changed during the download) or RemotePathError (bad or unreachable bucket)."""
+    index_dir = normalize_dir(index_dir)
+    if not paths.is_remote(index_dir):
+        return index_dir
+    paths.check_remote_dir(index_dir)
+    read_manifest(index_dir)  # a finished remote index (uploaded manifest last), fields checked
+    remote_m = paths.join(index_dir, MANIFEST)
+    want = paths.read_text(remote_m)
+    local = paths.local_cache_dir(index_dir)
+    with _cache_lock(local):
+        lpath = os.path.join(local, MANIFEST)
+        have = open(lpath, encoding="utf-8").read() if os.path.isfile(lpath) else None
+        if have != want:
+            paths.download_dir(index_dir, local)
+            got = open(lpath, encoding="utf-8").read() if os.path.isfile(lpath) else None
+            if got != want or paths.read_text(remote_m) != want:
+                raise IndexLoadError(f"{index_dir}: the index changed while it was downloaded to {local}; "
+                                     "load it again once its upload has finished")
+    return local
+
+
+def _build_local(corpus_path: str, index_dir: str, encoder, *, searcher: str, exact_max_rows: int, shard_size: int,
+                 scann_params: dict | None, extra_files: dict[str, str] | None, progress: bool) -> str:
     work = index_dir + ".partial"
     desc = encoder.describe()
     sha = file_sha256(corpus_path)
@@ -140,13 +225,14 @@ def _swap_in(new_dir: str, index_dir: str) -> None:
 
 
 def read_manifest(index_dir: str) -> dict:
-    """The manifest of a finished index directory, with its required fields checked."""
-    mpath = os.path.join(index_dir, MANIFEST)
-    if not os.path.isfile(mpath):
-        hint = " (a build was interrupted; rerun build-index to resume)" if os.path.isdir(
-            index_dir.rstrip("/") + ".partial") else ""
+    """The manifest of a finished index directory (a local path or a URL), with its required fields checked."""
+    index_dir = normalize_dir(index_dir)
+    mpath = paths.join(index_dir, MANIFEST)
+    if not paths.isfile(mpath):
+        partial = (paths.local_cache_dir(index_dir) if paths.is_remote(index_dir) else index_dir) + ".partial"
+        hint = " (a build was interrupted; rerun build-index to resume)" if os.path.isdir(partial) else ""
         raise IndexLoadError(f"{index_dir}: not an index directory, {MANIFEST} missing{hint}")
-    m = _read_json(mpath)
+    m = paths.read_json(mpath)
     for field in ("format", "encoder", "dim", "count", "corpus", "searcher"):
         if field not in m:
             raise IndexLoadError(f"{mpath}: field {field!r} missing")
@@ -173,8 +259,9 @@ def check_index_files(index_dir: str, m: dict) -> DocStore:
 class Index:
     """A loaded index: manifest, searcher over the embeddings, and the passage store."""
 
-    def __init__(self, index_dir: str, manifest: dict, searcher, docs: DocStore):
+    def __init__(self, index_dir: str, manifest: dict, searcher, docs: DocStore, local_dir: str | None = None):
         self.dir, self.manifest, self.searcher, self.docs = index_dir, manifest, searcher, docs
+        self.local_dir = local_dir or index_dir  # the files searched (a URL's local cache copy)
 
     def __len__(self):
         return self.manifest["count"]
@@ -183,9 +270,12 @@ class Index:
     def load(cls, index_dir: str, encoder=None, corpus_path: str | None = None,
              searcher: str | None = None) -> "Index":
         """Open and verify an index. `encoder` (if given) must match the recorded name/dim/prefixes;
-        `corpus_path` (if given) must hash to the recorded checksum. `searcher="exact"` forces brute force."""
-        m = read_manifest(index_dir)
-        mpath = os.path.join(index_dir, MANIFEST)
+        `corpus_path` (if given) must hash to the recorded checksum. `searcher="exact"` forces brute force.
+        `index_dir` may be a gs:// URL: it is opened from its local cache copy (`local_dir_of`)."""
+        index_dir = normalize_dir(index_dir)
+        local = local_dir_of(index_dir)
+        m = read_manifest(local)
+        mpath = paths.join(index_dir, MANIFEST)
         if encoder is not None:
             got = encoder.describe()
             diff = {k: (m["encoder"].get(k), got[k]) for k in got if m["encoder"].get(k) != got[k]}
@@ -198,18 +288,18 @@ class Index:
                                   f"{m['corpus']['path']} (sha256 {m['corpus']['sha256'][:12]}…), "
                                   f"{corpus_path} has sha256 {sha[:12]}…")
         n, dim = m["count"], m["dim"]
-        emb_path = os.path.join(index_dir, EMB)
-        docs = check_index_files(index_dir, m)
+        emb_path = os.path.join(local, EMB)
+        docs = check_index_files(local, m)
         kind = searcher or m["searcher"]
         if kind == "scann":
             if m["searcher"] != "scann":
                 raise IndexLoadError(f"{mpath}: index was built without ScaNN (searcher={m['searcher']!r})")
-            s = ScannSearcher.load(os.path.join(index_dir, "scann"), n, m["scann_params"])
+            s = ScannSearcher.load(os.path.join(local, "scann"), n, m["scann_params"])
         elif kind == "exact":
             s = ExactSearcher(np.memmap(emb_path, np.float32, "r", shape=(n, dim)))
         else:
             raise IndexLoadError(f"searcher must be 'exact' or 'scann', got {kind!r}")
-        return cls(index_dir, m, s, docs)
+        return cls(index_dir, m, s, docs, local_dir=local)
 
     def search_embeddings(self, q: np.ndarray, topk: int) -> list[list[dict]]:
         idx, scores = self.searcher.search(q, topk)

@@ -14,6 +14,10 @@ Every part must be a finished index with the same encoder record and dimension, 
 be unique across parts. The merge writes only under `index_dir.partial/` and swaps the result in by
 rename, so an existing index at `index_dir` survives any failure (a failed merge starts over: it is a
 copy, cheap next to encoding).
+
+Parts, corpus files and the output may be gs:// URLs (rexrag_jax.io.paths): remote parts are read from
+their local cache copies (`index.local_dir_of`), a remote output is merged in its local cache dir and
+uploaded, manifest last (`index.staged_output`).
 """
 from __future__ import annotations
 
@@ -25,20 +29,19 @@ import shutil
 import numpy as np
 from tqdm.auto import tqdm
 
+from rexrag_jax.io import paths
 from rexrag_jax.retrieval.docstore import DOCS, OFFSETS
 from rexrag_jax.retrieval.index import (EMB, MANIFEST, IndexLoadError, check_index_files, choose_searcher,
-                                        finish_index, read_manifest)
+                                        finish_index, local_dir_of, normalize_dir, read_manifest, staged_output)
 
 
-def _check_parts(part_dirs: list[str]) -> list[dict]:
-    if not part_dirs:
-        raise ValueError("merge_indexes: no part directories given")
+def _check_parts(part_dirs: list[str], local_dirs: list[str]) -> list[dict]:
     manifests = []
-    for d in part_dirs:
-        m = read_manifest(d)
-        check_index_files(d, m).close()
+    for d, local in zip(part_dirs, local_dirs):
+        m = read_manifest(local)
+        check_index_files(local, m).close()
         if manifests:
-            first, mpath = manifests[0], os.path.join(d, MANIFEST)
+            first, mpath = manifests[0], paths.join(d, MANIFEST)
             diff = {k: (first["encoder"].get(k), m["encoder"].get(k))
                     for k in set(first["encoder"]) | set(m["encoder"]) if first["encoder"].get(k) != m["encoder"].get(k)}
             if diff:
@@ -52,17 +55,18 @@ def _check_parts(part_dirs: list[str]) -> list[dict]:
 def _corpus_sha(manifests: list[dict], corpus_paths: list[str] | None, progress: bool) -> str:
     """sha256 of the parts' corpus files concatenated in order; each file must still hash to the
     checksum its part was built from (a part file edited after its build is refused)."""
-    paths = corpus_paths or [m["corpus"]["path"] for m in manifests]
-    if len(paths) != len(manifests):
-        raise ValueError(f"merge_indexes: {len(paths)} corpus_paths for {len(manifests)} parts")
+    files = corpus_paths or [m["corpus"]["path"] for m in manifests]
+    if len(files) != len(manifests):
+        raise ValueError(f"merge_indexes: {len(files)} corpus_paths for {len(manifests)} parts")
     h = hashlib.sha256()
-    for i, (path, m) in enumerate(zip(paths, manifests)):
-        if not os.path.isfile(path):
+    for i, (path, m) in enumerate(zip(files, manifests)):
+        if not paths.isfile(path):
             raise IndexLoadError(f"part {i}: corpus file {path} not found (it is hashed to record the merged "
                                  f"corpus checksum; pass corpus_paths= if the part files moved)")
         part_h = hashlib.sha256()
-        with open(path, "rb") as f, tqdm(total=os.path.getsize(path), unit="B", unit_scale=True,
-                                         desc=f"hash corpus part {i}", disable=not progress) as bar:
+        total = None if paths.is_remote(path) else os.path.getsize(path)
+        with paths.open_file(path, "rb") as f, tqdm(total=total, unit="B", unit_scale=True,
+                                                    desc=f"hash corpus part {i}", disable=not progress) as bar:
             while block := f.read(1 << 22):
                 h.update(block)
                 part_h.update(block)
@@ -107,24 +111,37 @@ def merge_indexes(part_dirs: list[str], index_dir: str, *, searcher: str = "auto
     Row r of part p becomes row (rows of parts before p) + r. `corpus_paths` overrides the part corpus
     files recorded in the part manifests (they are hashed for the merged checksum).
     """
-    part_dirs = [os.path.abspath(d.rstrip("/")) for d in part_dirs]
-    index_dir = os.path.abspath(index_dir.rstrip("/"))
+    if not part_dirs:
+        raise ValueError("merge_indexes: no part directories given")
+    part_dirs = [normalize_dir(d) for d in part_dirs]
+    index_dir = normalize_dir(index_dir)
     if index_dir in part_dirs:
         raise ValueError(f"merge_indexes: the output {index_dir} is also a part")
-    manifests = _check_parts(part_dirs)
+    if paths.is_remote(index_dir):
+        paths.check_remote_dir(index_dir)  # a bad output bucket fails before any part is downloaded
+    local_parts = [local_dir_of(d) for d in part_dirs]
+    manifests = _check_parts(part_dirs, local_parts)
     kind = choose_searcher(sum(m["count"] for m in manifests), searcher, exact_max_rows)  # validates `searcher`
     sha = _corpus_sha(manifests, corpus_paths, progress)
+    with staged_output(index_dir) as (index_dir, local_out):
+        _merge_local(part_dirs, local_parts, manifests, local_out, kind, sha, scann_params, check_duplicate_ids,
+                     chunk_rows, extra_files, progress)
+    return index_dir
+
+
+def _merge_local(part_dirs, local_parts, manifests, index_dir, kind, sha, scann_params, check_duplicate_ids,
+                 chunk_rows, extra_files, progress) -> str:
     work = index_dir + ".partial"
     if os.path.exists(work):
         shutil.rmtree(work)
     os.makedirs(work)
-    _merge_docstores(part_dirs, work, check_duplicate_ids, progress)
+    _merge_docstores(local_parts, work, check_duplicate_ids, progress)
 
     n, dim = sum(m["count"] for m in manifests), manifests[0]["dim"]
     emb = np.memmap(os.path.join(work, EMB), np.float32, "w+", shape=(n, dim))
     row = 0
     with tqdm(total=n, desc="merge embeddings", unit="row", disable=not progress) as bar:
-        for d, m in zip(part_dirs, manifests):
+        for d, m in zip(local_parts, manifests):
             src = np.memmap(os.path.join(d, EMB), np.float32, "r", shape=(m["count"], dim))
             for lo in range(0, m["count"], chunk_rows):
                 hi = min(m["count"], lo + chunk_rows)
