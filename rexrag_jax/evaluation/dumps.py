@@ -26,6 +26,7 @@ import os
 
 from rexrag_jax.data.readers import ANSWER_FIELDS, QADataError, _answers, _first, _question_from_prompt
 from rexrag_jax.data.schema import canonical_source, infer_data_source
+from rexrag_jax.io import paths
 
 RESPONSE_FIELDS = ("response", "response_text", "output", "generated_text", "completion", "solution_str",
                    "sequences_str", "trajectory", "text", "prediction", "pred")
@@ -52,7 +53,7 @@ def strip_prompt(text: str) -> str:
 
 def _dump_rows(path: str):
     if path.lower().endswith(".jsonl"):
-        with open(path, encoding="utf-8") as f:
+        with paths.open_file(path, "r", encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
                 if line.strip():
                     try:
@@ -60,7 +61,7 @@ def _dump_rows(path: str):
                     except json.JSONDecodeError as e:
                         raise QADataError(f"{path}:{lineno}: invalid JSON: {e}") from None
     elif path.lower().endswith(".json"):
-        with open(path, encoding="utf-8") as f:
+        with paths.open_file(path, "r", encoding="utf-8") as f:
             try:
                 data = json.load(f)
             except json.JSONDecodeError as e:
@@ -77,12 +78,12 @@ def _dump_rows(path: str):
 
 def read_trajectory_dump(path, data_source: str | None = None) -> list[dict]:
     """Records {"id", "question", "golden_answers", "data_source", "response"} (+ the row's other fields)."""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
+    path = os.fspath(path)  # a local path or a gs:// URL (rexrag_jax.io.paths)
+    if not paths.isfile(path):
         raise FileNotFoundError(f"trajectory dump not found: {path}")
     file_source = canonical_source(data_source) if data_source else (
-        infer_data_source(path) or infer_data_source(os.path.basename(os.path.dirname(os.path.abspath(path)))))
-    stem = os.path.splitext(os.path.basename(path))[0]
+        infer_data_source(path) or infer_data_source(paths.basename(paths.dirname(path))))
+    stem = os.path.splitext(paths.basename(path))[0]
     out = []
     for i, (where, row) in enumerate(_dump_rows(path)):
         if not isinstance(row, dict):

@@ -13,7 +13,6 @@ Prints the EM table (nq triviaqa popqa hotpotqa 2wiki musique bamboogle avg).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -80,7 +79,12 @@ def _print_disagreements(records, limit: int = 20) -> None:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    from rexrag_jax.io import paths
+
     try:
+        for out in (args.out, args.summary_json):  # a bad gs:// output fails before any model runs
+            if out and paths.is_remote(out):
+                paths.check_remote_dir(out)
         if args.rescore:
             records = [r for path in args.rescore for r in read_trajectory_dump(path, args.data_source)]
             records, summary = score_and_summarize(records, raw_fallback=args.raw_fallback)
@@ -104,11 +108,12 @@ def main(argv=None) -> int:
     _print_disagreements(records if args.rescore else [])
     if args.out:
         print(f"wrote {len(records)} trajectories to {args.out}")
-    if args.summary_json:
-        tmp = args.summary_json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(summary.to_dict(), f, indent=2)
-        os.replace(tmp, args.summary_json)
+    if args.summary_json:  # a local path (temp file + rename) or a gs:// URL (one upload)
+        try:
+            paths.write_json_atomic(args.summary_json, summary.to_dict(), indent=2)
+        except paths.RemotePathError as e:
+            print(f"rexrag eval: {e}", file=sys.stderr)
+            return 2
     return 0
 
 

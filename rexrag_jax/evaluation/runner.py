@@ -9,14 +9,19 @@ from typing import Callable, Sequence
 from tqdm.auto import tqdm
 
 from rexrag_jax.data.schema import QAExample
+from rexrag_jax.io import paths
 from rexrag_jax.evaluation.scoring import Summary, score_and_summarize
 
 GenerateFn = Callable[[list[QAExample]], list[str]]
 
 
 def write_jsonl_atomic(path, records) -> None:
-    """Write records as jsonl to a temp file beside `path`, then rename (a failure leaves `path` intact)."""
+    """Write records as jsonl to a temp file beside `path`, then rename (a failure leaves `path` intact).
+    A gs:// URL is written as one upload (rexrag_jax.io.paths: the object appears whole or not at all)."""
     path = os.fspath(path)
+    if paths.is_remote(path):
+        paths.write_text_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        return
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".jsonl", dir=directory)

@@ -19,6 +19,7 @@ encoder name and dimension recorded there.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from rexrag_jax.io import paths
 from rexrag_jax.rollout.types import SEG_INFO, SEG_RESPONSE, TrajectoryBatch
 
 SEG_RETRIEVED = 6  # inserted RAPO step tokens (beyond rollout.types' SEG_* codes 0..5)
@@ -159,10 +161,14 @@ class TraceBuffer:
 
     # --- persistence -----------------------------------------------------------------------------
     def save(self, path: str) -> None:
-        """Write `path/` (entries.json + embeddings.npy) atomically: temp dir, then rename."""
-        path = os.path.abspath(path)
-        parent = os.path.dirname(path)
-        os.makedirs(parent, exist_ok=True)
+        """Write `path/` (entries.json + embeddings.npy) atomically: temp dir, then rename. A gs:// URL
+        (rexrag_jax.io.paths): written in a local temp dir, then uploaded with entries.json deleted first
+        and uploaded last, so a reader that finds entries.json finds the whole buffer."""
+        remote = paths.is_remote(path)
+        path = paths.as_str(path)
+        parent = None if remote else os.path.dirname(path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=".trace_buffer.", dir=parent)
         try:
             meta = {"format": 1, "capacity": self.capacity, "encoder": self.encoder_name,
@@ -171,6 +177,10 @@ class TraceBuffer:
             with open(os.path.join(tmp, "entries.json"), "w", encoding="utf-8") as f:
                 json.dump(meta, f, ensure_ascii=False)
             np.save(os.path.join(tmp, "embeddings.npy"), self.emb)
+            if remote:
+                paths.upload_dir(tmp, path, last=("entries.json",), prune=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                return
             old = None
             if os.path.exists(path):
                 old = path + ".old"
@@ -185,17 +195,18 @@ class TraceBuffer:
 
     @classmethod
     def load(cls, path: str, encode_fn: EncodeFn, **kw) -> "TraceBuffer":
-        """A buffer saved by `save`; the encoder name (when known) and dimension must match."""
-        where = os.path.join(path, "entries.json")
+        """A buffer saved by `save` (a local path or a gs:// URL); the encoder name (when known) and
+        dimension must match."""
+        where = paths.join(path, "entries.json")
         try:
-            with open(where, encoding="utf-8") as f:
-                meta = json.load(f)
+            meta = json.loads(paths.read_text(where))
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"{where}: cannot read a saved TraceBuffer ({e})") from None
         for field in ("capacity", "encoder", "dim", "keys", "values"):
             if field not in meta:
                 raise ValueError(f"{where}: missing field {field!r}")
-        emb = np.load(os.path.join(path, "embeddings.npy"))
+        with paths.open_file(paths.join(path, "embeddings.npy"), "rb") as f:
+            emb = np.load(io.BytesIO(f.read()))
         if emb.shape[0] != len(meta["keys"]) or len(meta["keys"]) != len(meta["values"]):
             raise ValueError(f"{path}: {len(meta['keys'])} keys, {len(meta['values'])} values, "
                              f"{emb.shape[0]} embeddings; expected equal counts")

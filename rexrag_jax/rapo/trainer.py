@@ -17,13 +17,12 @@ Checkpoints also write the buffer to <run_dir>/trace_buffer/<step> (atomic), res
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
 import sys
 
 import gin
 import jax
 
+from rexrag_jax.io import paths
 from rexrag_jax.rapo.hook import RapoConfig, rapo_update_arrays
 from rexrag_jax.rapo import synthetic  # noqa: F401  registers SyntheticHybridRollout with gin
 from rexrag_jax.rapo.hybrid_rollout import HybridConfig, run_hybrid_rollouts
@@ -72,7 +71,7 @@ class RapoTrainer(Trainer):
                 hybrid.hybrid_rows(c.group_size)
             except ValueError as e:
                 raise ValueError(f"RapoTrainer: {e} (TrainConfig.group_size); bind NUM_HYBRID with GROUP_SIZE") from None
-        self.buffer_root = os.path.join(self.run_dir, "trace_buffer")
+        self.buffer_root = paths.join(self.run_dir, "trace_buffer")  # a local path or under a gs:// run dir
 
     # Trainer.train_step with the RAPO hooks: no probes (use_probes is False, checked above), no
     # filtering / behaviour density / reference pass; the trace buffer grows after the update.
@@ -103,16 +102,16 @@ class RapoTrainer(Trainer):
     # --- the buffer travels with the checkpoints -----------------------------------------------------
     def save(self) -> None:
         super().save()
-        self.rollout.buffer.save(os.path.join(self.buffer_root, str(self.step)))
-        steps = sorted(int(d) for d in os.listdir(self.buffer_root) if d.isdigit())
+        self.rollout.buffer.save(paths.join(self.buffer_root, str(self.step)))
+        steps = sorted(int(d) for d in paths.listdir(self.buffer_root) if d.isdigit())
         for old in steps[:-self.cfg.keep_checkpoints]:
-            shutil.rmtree(os.path.join(self.buffer_root, str(old)), ignore_errors=True)
+            paths.remove_tree(paths.join(self.buffer_root, str(old)))
 
     def maybe_restore(self) -> bool:
         if not super().maybe_restore():
             return False
-        path = os.path.join(self.buffer_root, str(self.step))
-        if os.path.isdir(path):
+        path = paths.join(self.buffer_root, str(self.step))
+        if paths.isfile(paths.join(path, "entries.json")):  # on GCS: written last, so the buffer is whole
             old = self.rollout.buffer
             self.rollout.buffer = TraceBuffer.load(path, old.encode_fn, capacity=old.capacity,
                                                    searcher=old.searcher_kind, scann_min_size=old.scann_min_size,
