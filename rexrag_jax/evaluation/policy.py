@@ -10,9 +10,10 @@ Policy sources (`checkpoint`):
     config, optimizer and tokenizer come from the run's operative_config.gin (else config.gin), and the
     latest (or `step`) orbax checkpoint is restored with train.checkpoint.Checkpointer.restore. That
     public function restores params *and* optimizer state (Adam moments: ~3x the params' memory on the
-    host for a moment); only the params are kept.
+    host for a moment); only the params are kept. A run dir may be a gs:// URL (rexrag_jax.io.paths:
+    its gin is read through a local copy, orbax restores from the bucket).
 Retriever: `retriever_url` (Search-R1 POST /retrieve server, HttpRetriever), else `corpus` (in-process
-MiniLM + exact/ScaNN index via build_default_retriever, cached in `index_dir`).
+MiniLM + exact/ScaNN index via build_default_retriever, cached in `index_dir`; both may be gs://).
 
 Vocabulary guard: Qwen2 checkpoints pad the embedding beyond the tokenizer (151936 rows vs 151665 ids),
 and the engine samples over all rows. Ids >= the tokenizer's vocab cannot be decoded, so the policy is
@@ -30,9 +31,10 @@ DEFAULT_INDEX_ROOT = os.path.join(os.path.expanduser("~"), ".cache", "rexrag_jax
 
 
 def is_run_dir(path: str) -> bool:
-    """True for a trainer run dir (checkpoints/<int>/ inside), False for an HF export."""
-    ck = os.path.join(path, "checkpoints")
-    return os.path.isdir(ck) and any(d.isdigit() for d in os.listdir(ck))
+    """True for a trainer run dir (checkpoints/<int>/ inside, local or gs://), False for an HF export."""
+    from rexrag_jax.io import paths
+
+    return any(d.isdigit() for d in paths.listdir(paths.join(path, "checkpoints")))
 
 
 def restrict_vocab(params: dict, cfg, vocab_size: int):
@@ -56,18 +58,26 @@ def restrict_vocab(params: dict, cfg, vocab_size: int):
 
 def _run_config(run_dir: str, gin_files: Sequence[str], gin_params: Sequence[str]):
     """Parse the run's gin (operative_config.gin, else config.gin, unless gin_files are given)."""
+    import tempfile
+
     from rexrag_jax.config import parse_gin
+    from rexrag_jax.io import paths
 
     files = list(gin_files)
-    if not files:
-        for name in ("operative_config.gin", "config.gin"):
-            if os.path.exists(os.path.join(run_dir, name)):
-                files = [os.path.join(run_dir, name)]
-                break
-        else:
-            raise FileNotFoundError(f"{run_dir}: a run directory needs operative_config.gin or config.gin (the "
-                                    "model config), or pass --gin-file")
-    parse_gin(files, list(gin_params))
+    with tempfile.TemporaryDirectory(prefix="rexrag-eval-gin-") as tmp:
+        if not files:
+            for name in ("operative_config.gin", "config.gin"):
+                path = paths.join(run_dir, name)
+                if paths.isfile(path):
+                    if paths.is_remote(path):  # gin opens local files: a gs:// run's config is read via a copy
+                        paths.download_file(path, os.path.join(tmp, name))
+                        path = os.path.join(tmp, name)
+                    files = [path]
+                    break
+            else:
+                raise FileNotFoundError(f"{run_dir}: a run directory needs operative_config.gin or config.gin (the "
+                                        "model config), or pass --gin-file")
+        parse_gin(files, list(gin_params))
 
 
 def _gin_value(*names):
@@ -102,7 +112,9 @@ def load_run_policy(run_dir: str, gin_files: Sequence[str] = (), gin_params: Seq
 
     _run_config(run_dir, gin_files, gin_params)
     cfg = model_config()
-    ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"))
+    from rexrag_jax.io import paths
+
+    ckpt = Checkpointer(paths.join(run_dir, "checkpoints"))  # a local path or gs:// (orbax reads either)
     try:
         step = ckpt.latest_step() if step is None else int(step)
         if step is None or step not in ckpt.all_steps():
@@ -122,9 +134,16 @@ def load_policy(checkpoint: str, tokenizer: str | None = None, gin_files: Sequen
     from rexrag_jax.models.qwen2.hf_io import load_checkpoint
     from rexrag_jax.tokenizers import load_tokenizer
 
+    from rexrag_jax.io import paths
+
     if not checkpoint:
         raise ValueError("model evaluation needs --checkpoint (an HF-format Qwen2 dir or a `rexrag train` run dir)")
-    if not os.path.isdir(checkpoint):
+    if paths.is_remote(checkpoint):  # a gs:// run dir (bucket checked: one-line RemotePathError)
+        paths.check_remote_dir(checkpoint)
+        if not is_run_dir(checkpoint):
+            raise FileNotFoundError(f"{checkpoint}: no checkpoints/<step>/ there (a gs:// --checkpoint must be a "
+                                    "`rexrag train` run dir; copy an HF export to local disk)")
+    elif not os.path.isdir(checkpoint):
         raise FileNotFoundError(f"checkpoint directory not found: {checkpoint}")
     if is_run_dir(checkpoint):
         cfg, params, run_tok, step = load_run_policy(checkpoint, gin_files, gin_params)
@@ -155,10 +174,12 @@ def make_retriever(retriever_url: str | None = None, corpus: str | None = None, 
     if not corpus:
         raise ValueError("model evaluation needs a retriever: --retriever-url URL (rexrag serve-retriever) or "
                          "--corpus CORPUS.jsonl (in-process MiniLM index)")
-    if not os.path.isfile(corpus):
+    from rexrag_jax.io import paths
+
+    if not paths.isfile(corpus):  # a local path or gs:// (so may be --index-dir)
         raise FileNotFoundError(f"corpus not found: {corpus}")
     if index_dir is None:  # one cache per corpus file (the index checks it was built from this exact corpus)
-        stem = os.path.abspath(corpus).strip(os.sep).replace(os.sep, "_").replace(".", "_")
+        stem = paths.as_str(corpus).replace("://", "_").strip(os.sep).replace(os.sep, "_").replace(".", "_")
         index_dir = os.path.join(DEFAULT_INDEX_ROOT, stem)
     return build_default_retriever(corpus, index_dir, progress=progress)
 

@@ -118,3 +118,51 @@ def test_rapo_trainer_buffers_under_a_gcs_run_dir_and_resume(gcs):
     assert len(resumed.rollout.buffer) == 0
     assert resumed.maybe_restore() and resumed.step == 3
     assert resumed.rollout.buffer.keys == buf.keys and resumed.rollout.buffer.values == buf.values
+
+
+def test_eval_loads_the_policy_of_a_gcs_run_dir(gcs, tmp_path):
+    """`rexrag eval --checkpoint gs://.../run`: model from the bucket's operative_config.gin, params from
+    its orbax checkpoint, the same as from the local copy of the run."""
+    import gin
+    import jax
+    import numpy as np
+
+    from rexrag_jax.evaluation.policy import load_policy
+    from rexrag_jax.models.qwen2 import model as qwen2
+    from rexrag_jax.models.qwen2.config import Qwen2Config
+    from rexrag_jax.tokenizers import train_sentencepiece
+    from rexrag_jax.train.checkpoint import Checkpointer
+    from rexrag_jax.train.optim import OptimizerConfig
+
+    url, fs = gcs
+    spm = train_sentencepiece([f"question {i} about the river and the king of france" for i in range(200)],
+                              tmp_path / "tok" / "spm", vocab_size=300)
+    params = qwen2.init_params(Qwen2Config.from_preset("tiny"), jax.random.PRNGKey(2))
+    gin_text = f'TOKENIZER = "{spm}"\nmodel_config.preset = "tiny"\nSearchRollout.tokenizer_path = %TOKENIZER\n'
+    got = {}
+    for run in (str(tmp_path / "run"), f"gs://{BUCKET}/eval-run"):
+        ckpt = Checkpointer(run + "/checkpoints")
+        ckpt.save(3, {"params": params, "opt_state": OptimizerConfig().make().init(params)}, {"step": 3})
+        ckpt.close()
+        if run.startswith("gs://"):
+            fs.pipe_file(f"{BUCKET}/eval-run/operative_config.gin", gin_text.encode())
+        else:
+            pathlib.Path(run, "operative_config.gin").write_text(gin_text)
+        gin.clear_config()
+        try:
+            got[run] = load_policy(run, progress=False)
+        finally:
+            gin.clear_config()
+    (lcfg, lparams, ltok), (rcfg, rparams, rtok) = got.values()
+    assert rcfg == lcfg and rtok.vocab_size == ltok.vocab_size
+    jax.tree_util.tree_map(np.testing.assert_array_equal, rparams, lparams)
+    with pytest.raises(FileNotFoundError, match="no checkpoints/<step>/"):
+        load_policy(f"gs://{BUCKET}/no-run-here", progress=False)
+
+
+def test_eval_bad_gcs_checkpoint_is_one_line_exit_2(gcs, shared_data, capsys):
+    bad = f"gs://no-such-bucket-{os.getpid()}/run"
+    rc = eval_main.main(["--data", str(shared_data / "benchmarks" / "bamboogle_test.jsonl"), "--limit", "1",
+                         "--checkpoint", bad, "--retriever-url", "http://127.0.0.1:9", "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.count("\n") == 0 and bad in err and "does not exist or is not accessible" in err, err
