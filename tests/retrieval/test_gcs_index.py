@@ -5,6 +5,7 @@ build_index / merge-index write to gs://BUCKET/..., Index.load reads them back t
 """
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -17,9 +18,10 @@ from gcs_emulator import emulator, skip_without_emulator, subprocess_env  # noqa
 
 skip_without_emulator()
 
-from rexrag_jax.retrieval.cli import merge_index_main  # noqa: E402
+from rexrag_jax.models.bert.hf_io import default_minilm_dir  # noqa: E402
+from rexrag_jax.retrieval.cli import build_index_main, make_encoder, merge_index_main  # noqa: E402
 from rexrag_jax.retrieval.index import Index, IndexLoadError, build_index  # noqa: E402
-from rexrag_jax.retrieval.retriever import LocalRetriever  # noqa: E402
+from rexrag_jax.retrieval.retriever import HttpRetriever, LocalRetriever  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 BUCKET = "rexrag-index-test"
@@ -152,3 +154,64 @@ def test_bad_gcs_index_dir_is_one_line_exit_2(gcs, corpus, tmp_path, index_dir, 
     if emulator_up:
         fs.invalidate_cache()
         assert not fs.exists(f"no-such-bucket-{os.getpid()}")  # and no bucket was created
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_dir(tmp_path_factory):
+    """A tiny random HF BERT dir with the MiniLM tokenizer (as in test_cli.py), for the gin-built encoder."""
+    transformers = pytest.importorskip("transformers")
+    d = tmp_path_factory.mktemp("tiny_hf")
+    cfg = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=128)
+    transformers.BertModel(cfg).save_pretrained(d)
+    shutil.copy(os.path.join(default_minilm_dir(), "tokenizer.json"), d)
+    return str(d)
+
+
+def test_build_index_and_serve_retriever_clis_on_gcs(gcs, corpus, tiny_hf_dir, tmp_path):
+    """`rexrag build-index --index_dir gs://...` in one process, `rexrag serve-retriever --index_dir gs://...`
+    in another (fresh cache: it downloads), answers equal to the same index built locally."""
+    url, fs = gcs
+    flags = ["--gin_file", str(REPO / "gin/retriever/minilm_exact.gin"),
+             "--gin_bindings", 'retrieval.encoder.kind = "bert"',
+             "--gin_bindings", f'retrieval.encoder.model_dir = "{tiny_hf_dir}"',
+             "--gin_bindings", 'retrieval.encoder.name = "tiny"', "--gin_bindings", "retrieval.encoder.max_length = 64",
+             "--corpus", corpus, "--quiet"]
+    remote = f"gs://{BUCKET}/cli-index"
+    env = subprocess_env(url, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS="",
+                         REXRAG_REMOTE_CACHE=str(tmp_path / "build-cache"))
+    p = _cli(env, tmp_path, "build-index", *flags, "--index_dir", remote)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert f"index written to {remote}: {N} passages" in p.stdout
+    assert "config.gin" in _objects(fs, "cli-index")
+
+    import gin
+    gin.clear_config()
+    assert build_index_main([*flags, "--index_dir", str(tmp_path / "local")]) == 0
+    gin.clear_config()
+    gin.parse_config_file(str(tmp_path / "local" / "config.gin"))
+    enc = make_encoder()
+    gin.clear_config()
+    local = LocalRetriever(Index.load(str(tmp_path / "local"), encoder=enc), enc)
+
+    env["REXRAG_REMOTE_CACHE"] = str(tmp_path / "serve-cache")
+    proc = subprocess.Popen([sys.executable, "-m", "rexrag_jax.cli", "serve-retriever", "--index_dir", remote,
+                             "--port", "0"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        server, lines = None, []
+        for line in proc.stdout:
+            lines.append(line)
+            if m := re.search(r"serving POST (http://127\.0\.0\.1:\d+)/retrieve", line):
+                server = m.group(1)
+                break
+        assert server, "".join(lines)
+        got = HttpRetriever(server).search(QUERIES, 3)
+        want = local.search(QUERIES, 3)
+        assert [[h["document"] for h in r] for r in got] == [[h["document"] for h in r] for r in want]
+        assert [h["score"] for r in got for h in r] == pytest.approx([h["score"] for r in want for h in r], abs=1e-5)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        proc.stdout.close()
+    assert os.path.isfile(tmp_path / "serve-cache" / "gs" / BUCKET / "cli-index" / "embeddings.f32")
