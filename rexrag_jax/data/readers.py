@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
 import logging
 import os
 from typing import Any, Iterator
 
 from rexrag_jax.data.schema import QAExample, canonical_source, infer_data_source
+from rexrag_jax.io import paths as iopaths  # local paths and gs:// URLs alike
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +123,7 @@ def _rows(path: str) -> Iterator[tuple[str, Any, bool]]:
     """(location "file:line", decoded row or an Exception, from_csv) for every row of the file."""
     suffix = os.path.splitext(path)[1].lower()
     if suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
+        with iopaths.open_file(path, "r", encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -130,7 +132,7 @@ def _rows(path: str) -> Iterator[tuple[str, Any, bool]]:
                 except json.JSONDecodeError as e:
                     yield f"{path}:{lineno}", ValueError(f"invalid JSON: {e}"), False
     elif suffix == ".json":
-        with open(path, encoding="utf-8") as f:
+        with iopaths.open_file(path, "r", encoding="utf-8") as f:
             try:
                 data = json.load(f)
             except json.JSONDecodeError as e:
@@ -143,7 +145,7 @@ def _rows(path: str) -> Iterator[tuple[str, Any, bool]]:
         for i, row in enumerate(data):
             yield f"{path}:row {i}", row, False
     elif suffix == ".csv":
-        with open(path, encoding="utf-8", newline="") as f:
+        with iopaths.open_file(path, "rb") as raw, io.TextIOWrapper(raw, encoding="utf-8", newline="") as f:
             reader = csv.DictReader(f)
             for row in reader:
                 row = {k: v for k, v in row.items() if k is not None and v not in (None, "")}
@@ -154,7 +156,9 @@ def _rows(path: str) -> Iterator[tuple[str, Any, bool]]:
         except ImportError:
             raise QADataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow); "
                               f"or convert the file to jsonl") from None
-        for i, row in enumerate(pq.read_table(path).to_pylist()):
+        with iopaths.open_file(path, "rb") as f:
+            table = pq.read_table(f)
+        for i, row in enumerate(table.to_pylist()):
             yield f"{path}:row {i}", row, False
     else:
         raise QADataError(f"{path}: unsupported file type {suffix!r}; expected one of {SUFFIXES}")
@@ -164,10 +168,10 @@ def read_qa_file_with_stats(path, data_source: str | None = None, *, skip_bad_ro
                             max_errors_kept: int = 20) -> tuple[list[QAExample], ReadStats]:
     """All examples of one file and the row / skipped counts (see the module docstring for the mapping)."""
     path = os.fspath(path)
-    if not os.path.isfile(path):
+    if not iopaths.isfile(path):
         raise FileNotFoundError(f"QA file not found: {path}")
     source = canonical_source(data_source) if data_source else infer_data_source(path)
-    stem = os.path.splitext(os.path.basename(path))[0]
+    stem = os.path.splitext(iopaths.basename(path))[0]
     stats, out = ReadStats(), []
     for i, (where, row, from_csv) in enumerate(_rows(path)):
         stats.rows += 1
@@ -197,11 +201,13 @@ def read_qa_file(path, data_source: str | None = None, *, skip_bad_rows: bool = 
 
 
 def list_qa_files(paths) -> list[str]:
-    """Files as given, directories expanded to their supported files (sorted)."""
+    """Files as given, directories expanded to their supported files (sorted); gs:// URLs too."""
     out = []
     for p in paths:
         p = os.fspath(p)
-        if os.path.isdir(p):
+        if iopaths.is_remote(p) and iopaths.isdir(p):
+            out.extend(iopaths.join(p, n) for n in iopaths.listdir(p) if n.lower().endswith(SUFFIXES))
+        elif os.path.isdir(p):
             out.extend(sorted(os.path.join(p, n) for n in os.listdir(p) if n.lower().endswith(SUFFIXES)))
         else:
             out.append(p)

@@ -166,3 +166,22 @@ def test_eval_bad_gcs_checkpoint_is_one_line_exit_2(gcs, shared_data, capsys):
                          "--checkpoint", bad, "--retriever-url", "http://127.0.0.1:9", "--no-progress"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.count("\n") == 0 and bad in err and "does not exist or is not accessible" in err, err
+
+
+def test_qa_files_read_from_gcs_like_local(gcs, shared_data, tmp_path):
+    """Benchmark / training QA files (rexrag eval --data, TRAIN_FILES) in a gs:// dir read like a local copy."""
+    from rexrag_jax.data.readers import read_qa_files
+
+    url, fs = gcs
+    local = tmp_path / "qa"
+    local.mkdir()
+    rows = (shared_data / "benchmarks" / "bamboogle_test.jsonl").read_text().splitlines()[:5]
+    (local / "bamboogle_test.jsonl").write_text("\n".join(rows) + "\n")
+    (local / "nq_dev.csv").write_text('question,golden_answers\n"who, then?","[""A"", ""B""]"\nwhere,C\n')
+    (local / "popqa.json").write_text(json.dumps([{"question": "q1", "answer": "x"}]))
+    for f in local.iterdir():
+        fs.put(str(f), f"{BUCKET}/qa/{f.name}")
+    got = read_qa_files([f"gs://{BUCKET}/qa"])
+    want = read_qa_files([str(local)])
+    assert [(e.id, e.question, e.golden_answers, e.data_source) for e in got] == \
+        [(e.id, e.question, e.golden_answers, e.data_source) for e in want] and len(got) == 8
