@@ -39,6 +39,10 @@ def test_quick_replication_writes_the_json_shape(quick, capsys):
     assert res == json.load(open(os.path.join(root, "results.json")))
     assert res["command"].startswith("python benchmarks/replication.py") and res["commit"]
     assert res["wall_seconds"] > 0
+    # --quick keeps the quick sizes; the full run's settings (1,600 SFT steps, 4 reading worlds) do not leak in
+    for k in ("sft_steps", "reading_worlds"):
+        assert res["config"][k] == replication.demo.QUICK_OVERRIDES[k]
+    assert replication.REPLICATION_DEFAULTS["sft_steps"] != replication.demo.QUICK_OVERRIDES["sft_steps"]
     (world,) = res["worlds"]
     assert world["seed"] == 0
     ws = world["warm_start"]
