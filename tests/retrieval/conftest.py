@@ -1,4 +1,7 @@
 """Retrieval test fixtures: a tiny random BERT behind the real MiniLM tokenizer (fast to compile)."""
+import os
+import shutil
+
 import jax
 import pytest
 
@@ -24,3 +27,15 @@ def tiny_encoder():
 @pytest.fixture(scope="session")
 def make_encoder():
     return make_tiny_encoder
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_dir(tmp_path_factory):
+    """A tiny random HF BERT dir with the MiniLM tokenizer (for gin-built encoders and the CLIs)."""
+    transformers = pytest.importorskip("transformers")
+    d = tmp_path_factory.mktemp("tiny_hf")
+    cfg = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=128)
+    transformers.BertModel(cfg).save_pretrained(d)
+    shutil.copy(os.path.join(default_minilm_dir(), "tokenizer.json"), d)
+    return str(d)

@@ -1,30 +1,17 @@
 """build-index / serve-retriever CLIs with gin configs, end to end on a tiny HF BERT directory."""
 import os
 import re
-import shutil
 import subprocess
 import sys
 
 import gin
 import pytest
 
-from rexrag_jax.models.bert.hf_io import default_minilm_dir
 from rexrag_jax.retrieval.cli import build_index_main, make_encoder
 from rexrag_jax.retrieval.index import Index
 from rexrag_jax.retrieval.retriever import HttpRetriever, LocalRetriever
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-@pytest.fixture(scope="module")
-def tiny_hf_dir(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
-    d = tmp_path_factory.mktemp("tiny_hf")
-    cfg = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                  intermediate_size=64, max_position_embeddings=128)
-    transformers.BertModel(cfg).save_pretrained(d)
-    shutil.copy(os.path.join(default_minilm_dir(), "tokenizer.json"), d)
-    return str(d)
 
 
 @pytest.fixture(scope="module")

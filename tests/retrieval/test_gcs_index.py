@@ -18,7 +18,6 @@ from gcs_emulator import emulator, skip_without_emulator, subprocess_env  # noqa
 
 skip_without_emulator()
 
-from rexrag_jax.models.bert.hf_io import default_minilm_dir  # noqa: E402
 from rexrag_jax.retrieval.cli import build_index_main, make_encoder, merge_index_main  # noqa: E402
 from rexrag_jax.retrieval.index import Index, IndexLoadError, build_index  # noqa: E402
 from rexrag_jax.retrieval.retriever import HttpRetriever, LocalRetriever  # noqa: E402
@@ -154,18 +153,6 @@ def test_bad_gcs_index_dir_is_one_line_exit_2(gcs, corpus, tmp_path, index_dir, 
     if emulator_up:
         fs.invalidate_cache()
         assert not fs.exists(f"no-such-bucket-{os.getpid()}")  # and no bucket was created
-
-
-@pytest.fixture(scope="module")
-def tiny_hf_dir(tmp_path_factory):
-    """A tiny random HF BERT dir with the MiniLM tokenizer (as in test_cli.py), for the gin-built encoder."""
-    transformers = pytest.importorskip("transformers")
-    d = tmp_path_factory.mktemp("tiny_hf")
-    cfg = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                  intermediate_size=64, max_position_embeddings=128)
-    transformers.BertModel(cfg).save_pretrained(d)
-    shutil.copy(os.path.join(default_minilm_dir(), "tokenizer.json"), d)
-    return str(d)
 
 
 def test_build_index_and_serve_retriever_clis_on_gcs(gcs, corpus, tiny_hf_dir, tmp_path):
