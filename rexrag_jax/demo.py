@@ -226,7 +226,7 @@ def prepare_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool,
     import jax
 
     from rexrag_jax.data.synthetic_world import generate_world, write_world
-    from rexrag_jax.data.warmstart import make_warmstart, pick_trap_relations, training_text
+    from rexrag_jax.data.warmstart import pick_trap_relations, training_text
     from rexrag_jax.models.qwen2 import model as qwen2
     from rexrag_jax.retrieval import build_default_retriever
     from rexrag_jax.tokenizers import load_tokenizer, train_sentencepiece
@@ -252,15 +252,10 @@ def prepare_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool,
     done("index")
 
     phase("warmstart_data")
-    sft_examples = world.train[:cfg.sft_examples] if cfg.sft_examples else world.train
+    sft_examples = sft_questions(world, cfg)
     retriever.prefetch([f"{s} {r}" for ex in sft_examples for s, r, _ in world.hops(ex.id)], cfg.topk)
     traps = pick_trap_relations(seed, cfg.num_trap_relations)
-    trajectories = make_warmstart(world, dead_end_fraction=cfg.dead_end_fraction, seed=seed, retriever=retriever,
-                                  topk=cfg.topk, examples=sft_examples, dead_end_stop=cfg.dead_end_stop,
-                                  revision_fraction=cfg.revision_fraction, trap_relations=traps,
-                                  trap_dead_end_prob=cfg.trap_dead_end_prob,
-                                  trap_revision_share=cfg.trap_revision_share,
-                                  trap_reflect_share=cfg.trap_reflect_share)
+    trajectories = warmstart_records(world, cfg, seed, traps, retriever)
     write_world(world, os.path.join(run_dir, "world"), trajectories)
     trajectories = trajectories + reading_world_trajectories(world, cfg, seed, traps)
     done("warmstart_data", f"({len(trajectories)} trajectories ({cfg.reading_worlds} reading worlds), "
@@ -303,22 +298,33 @@ def prepare_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool,
                 run_dir=run_dir, times=dict(times))
 
 
+def sft_questions(world, cfg: DemoConfig) -> list:
+    """The train questions the warm start learns from: the first cfg.sft_examples (all when 0)."""
+    return world.train[:cfg.sft_examples] if cfg.sft_examples else world.train
+
+
+def warmstart_records(world, cfg: DemoConfig, seed: int, traps, retriever) -> list[dict]:
+    """make_warmstart on `world`'s train split (its first cfg.sft_examples when set) with cfg's dead-end,
+    revision and trap settings."""
+    from rexrag_jax.data.warmstart import make_warmstart
+
+    return make_warmstart(world, dead_end_fraction=cfg.dead_end_fraction, seed=seed, retriever=retriever,
+                          topk=cfg.topk, examples=sft_questions(world, cfg),
+                          dead_end_stop=cfg.dead_end_stop, revision_fraction=cfg.revision_fraction,
+                          trap_relations=traps, trap_dead_end_prob=cfg.trap_dead_end_prob,
+                          trap_revision_share=cfg.trap_revision_share, trap_reflect_share=cfg.trap_reflect_share)
+
+
 def reading_world_trajectories(world, cfg: DemoConfig, seed: int, traps) -> list[dict]:
     """Warm-start records from cfg.reading_worlds worlds with `world`'s names and types but their own facts
     (WorldConfig.fact_seed), same trap relations and shares; observations from each world's own corpus
     (exact lexical retriever, the run's top-k)."""
     from rexrag_jax.data.synthetic_world import WorldRetriever, generate_world
-    from rexrag_jax.data.warmstart import make_warmstart
 
     out = []
     for i in range(cfg.reading_worlds):
         other = generate_world(dataclasses.replace(world.config, fact_seed=seed * 1000 + i + 1))
-        n = len(other.train) if not cfg.sft_examples else cfg.sft_examples
-        out += make_warmstart(other, dead_end_fraction=cfg.dead_end_fraction, seed=seed * 1000 + i + 1,
-                              retriever=WorldRetriever(other.corpus_rows()), topk=cfg.topk, examples=other.train[:n],
-                              dead_end_stop=cfg.dead_end_stop, revision_fraction=cfg.revision_fraction,
-                              trap_relations=traps, trap_dead_end_prob=cfg.trap_dead_end_prob,
-                              trap_revision_share=cfg.trap_revision_share, trap_reflect_share=cfg.trap_reflect_share)
+        out += warmstart_records(other, cfg, seed * 1000 + i + 1, traps, WorldRetriever(other.corpus_rows()))
     return out
 
 
