@@ -55,7 +55,11 @@ COMPARISONS = (("rexrag", "grpo"), ("rexrag", "rexrag_nocorr"), ("rexrag_nocorr"
 # at 1200 steps read neither seen nor unseen facts (EM 20), world 1 at 1600 read both (EM 53).
 REPLICATION_DEFAULTS = dict(test_per_hop=300, curve_every=0, rl_time_budget_s=None, sft_time_budget_s=None,
                             probe_prior_questions=200, sft_steps=1600,
-                            reading_worlds=4, trap_reflect_share=0.15)
+                            reading_worlds=4, trap_reflect_share=0.1,
+                            # third pass (issue 12): traps always fire in the warm-start records, so sampling
+                            # escapes a trap only by the rare own reflection, and half the fired traps are
+                            # revision records, twice the copy-across-the-prompt data of the second pass
+                            trap_dead_end_prob=1.0, trap_revision_share=0.5)
 # two-sided 95% t quantiles, df 1..10 (beyond: 1.96 + 2.5/df, within 0.01)
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
