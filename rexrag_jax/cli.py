@@ -14,6 +14,7 @@ COMMANDS = {
     "merge-index": ("rexrag_jax.retrieval.cli:merge_index_main", "merge per-host part indexes into one index"),
     "serve-retriever": ("rexrag_jax.retrieval.cli:serve_main", "Search-R1 compatible POST /retrieve server"),
     "generate": ("rexrag_jax.generation.demo:main", "sample from a policy (tiny random model by default)"),
+    "build-trace-buffer": ("rexrag_jax.rapo.build_cli:main", "static RAPO trace buffer from a stronger policy's rollouts"),
     "plan": ("rexrag_jax.train.planner:main", "memory plan per device for a gin config and mesh"),
 }
 

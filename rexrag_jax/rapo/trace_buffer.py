@@ -75,7 +75,7 @@ def minilm_encode_fn(**kw) -> EncodeFn:
     from rexrag_jax.retrieval.encoder import minilm_encoder
     enc = minilm_encoder(**kw)
     fn = lambda texts: enc.encode(list(texts), kind="query")  # noqa: E731  (MiniLM: no prefixes)
-    fn.encoder_name = enc.name
+    fn.encoder_name, fn.max_length = enc.name, enc.max_length  # what a static buffer's manifest checks
     return fn
 
 

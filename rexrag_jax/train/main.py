@@ -82,7 +82,13 @@ def main(argv=None) -> int:
               f"with --gin_bindings 'NAME = value' (see the header of {args.gin_file[0]})", file=sys.stderr)
         return 2
     write_text_atomic(paths.join(args.run_dir, "config.gin"), gin.config_str())
-    trainer = run_type()(args.run_dir)
+    from rexrag_jax.config.errors import StartupInputError
+
+    try:
+        trainer = run_type()(args.run_dir)
+    except StartupInputError as e:  # bad input found while the trainer is built (e.g. a RAPO trace buffer)
+        print(f"rexrag train: {str(e).splitlines()[0]}", file=sys.stderr)  # gin appends "In call to ..."
+        return 2
     operative = gin.operative_config_str()
     write_text_atomic(paths.join(args.run_dir, "operative_config.gin"), operative)
     return trainer.run(config_text=operative)
