@@ -369,10 +369,11 @@ def measure_probe_prior(cfg: DemoConfig, evaluator, params, test, records, seed:
     return prior
 
 
-def load_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool = False) -> dict:
+def load_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool = False, evaluate: bool = True) -> dict:
     """The `prepare_warm_start` result of a finished demo run (same seed and config), rebuilt from its files:
     world (regenerated, checked against world/corpus.jsonl), index, tokenizer and warmstart_model; the
-    warm-start evaluation is re-run (greedy, so it reproduces eval_warmstart.jsonl's EM)."""
+    warm-start evaluation is re-run (greedy, so it reproduces eval_warmstart.jsonl's EM).
+    evaluate=False skips that evaluation and the probe prior (their keys are None): enough to train."""
     from rexrag_jax.data.synthetic_world import generate_world
     from rexrag_jax.models.qwen2.hf_io import load_checkpoint
     from rexrag_jax.retrieval import build_default_retriever
@@ -392,6 +393,10 @@ def load_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool = F
     loaded_cfg, params = load_checkpoint(warm_dir, progress=False)
     model_cfg = model_config(cfg, loaded_cfg.vocab_size)
     tok_path = os.path.join(run_dir, "tokenizer", "demo.model")
+    if not evaluate:
+        return dict(world=world, retriever=retriever, tok_path=tok_path, model_cfg=model_cfg, warm_dir=warm_dir,
+                    sft_hist=[], evaluator=None, before=None, records=None, probe_prior=None, run_dir=run_dir,
+                    times={})
     evaluator = make_evaluator(cfg, tok_path, retriever, model_cfg, params)
     records, before = evaluate_split(evaluator, params, world.test, None, progress)
     prior_path = os.path.join(run_dir, "probe_prior.json")
@@ -408,6 +413,31 @@ def load_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool = F
                 run_dir=run_dir, times={})
 
 
+def make_rl_trainer(cfg: DemoConfig, warm: dict, rl_dir: str, seed: int):
+    """The demo's RL Trainer (search rollouts on the world's retriever, from the warm-start policy) in
+    rl_dir; `warm` is a `prepare_warm_start` / `load_warm_start` result."""
+    from rexrag_jax.rollout import RolloutConfig
+    from rexrag_jax.train.optim import OptimizerConfig
+    from rexrag_jax.train.rollout_source import SearchRollout
+    from rexrag_jax.train.trainer import TrainConfig, Trainer
+
+    rollout_cfg = RolloutConfig(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens, max_obs_tokens=500,
+                                max_context=cfg.max_context, topk=cfg.topk, temperature=cfg.temperature,
+                                probes=cfg.use_probes, revision_prob=cfg.revision_prob)
+    rollout = SearchRollout(tokenizer_path=warm["tok_path"], retriever=warm["retriever"], config=rollout_cfg)
+    n_rows = cfg.num_questions * cfg.group_size
+    train_cfg = TrainConfig(seed=seed, total_steps=cfg.rl_steps, num_questions=cfg.num_questions,
+                            group_size=cfg.group_size, mini_batch=(-(-n_rows // cfg.micro_batch) + 1) * cfg.micro_batch,
+                            micro_batch=cfg.micro_batch, max_seq_len=cfg.max_context + cfg.max_new_tokens,
+                            length_bucket=cfg.length_bucket, kl_coef=cfg.kl_coef, use_probes=cfg.use_probes,
+                            policy_correction=cfg.policy_correction,
+                            initial_keep_ratio=cfg.initial_keep_ratio, checkpoint_every=max(1, cfg.rl_steps),
+                            eval_every=0, logprob_chunk=0, temperature=cfg.temperature)
+    opt_cfg = OptimizerConfig(learning_rate=cfg.rl_lr, warmup_fraction=0.0, total_steps=cfg.rl_steps)
+    return Trainer(rl_dir, model_cfg=warm["model_cfg"], rollout=rollout, config=train_cfg, optimizer=opt_cfg,
+                   train_examples=warm["world"].train, init_checkpoint=warm["warm_dir"])
+
+
 def run_demo(run_dir: str, seed: int = 0, cfg: DemoConfig | None = None, progress: bool = True,
              warm: dict | None = None) -> dict:
     """All phases (see the module docstring); returns the summary dict also written to summary.json.
@@ -417,11 +447,7 @@ def run_demo(run_dir: str, seed: int = 0, cfg: DemoConfig | None = None, progres
     """
     from tqdm.auto import tqdm
 
-    from rexrag_jax.rollout import RolloutConfig
     from rexrag_jax.train.metrics_log import MetricsLogger
-    from rexrag_jax.train.optim import OptimizerConfig
-    from rexrag_jax.train.rollout_source import SearchRollout
-    from rexrag_jax.train.trainer import TrainConfig, Trainer
 
     cfg = cfg or DemoConfig()
     run_dir = os.path.abspath(run_dir)
@@ -436,21 +462,7 @@ def run_demo(run_dir: str, seed: int = 0, cfg: DemoConfig | None = None, progres
 
     _log("== rl")
     t_rl = time.perf_counter()
-    rollout_cfg = RolloutConfig(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens, max_obs_tokens=500,
-                                max_context=cfg.max_context, topk=cfg.topk, temperature=cfg.temperature,
-                                probes=cfg.use_probes, revision_prob=cfg.revision_prob)
-    rollout = SearchRollout(tokenizer_path=warm["tok_path"], retriever=warm["retriever"], config=rollout_cfg)
-    n_rows = cfg.num_questions * cfg.group_size
-    train_cfg = TrainConfig(seed=seed, total_steps=cfg.rl_steps, num_questions=cfg.num_questions,
-                            group_size=cfg.group_size, mini_batch=(-(-n_rows // cfg.micro_batch) + 1) * cfg.micro_batch,
-                            micro_batch=cfg.micro_batch, max_seq_len=cfg.max_context + cfg.max_new_tokens,
-                            length_bucket=cfg.length_bucket, kl_coef=cfg.kl_coef, use_probes=cfg.use_probes,
-                            policy_correction=cfg.policy_correction,
-                            initial_keep_ratio=cfg.initial_keep_ratio, checkpoint_every=max(1, cfg.rl_steps),
-                            eval_every=0, logprob_chunk=0, temperature=cfg.temperature)
-    opt_cfg = OptimizerConfig(learning_rate=cfg.rl_lr, warmup_fraction=0.0, total_steps=cfg.rl_steps)
-    trainer = Trainer(os.path.join(run_dir, "rl"), model_cfg=model_cfg, rollout=rollout, config=train_cfg,
-                      optimizer=opt_cfg, train_examples=world.train, init_checkpoint=warm["warm_dir"])
+    trainer = make_rl_trainer(cfg, warm, os.path.join(run_dir, "rl"), seed)
     curve_set = _curve_examples(world.test, cfg.curve_examples)
     curve = []
     if cfg.curve_every:

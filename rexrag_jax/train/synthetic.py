@@ -35,9 +35,11 @@ def _answer_text(example: QAExample, correct: bool) -> str:
 
 def synthetic_batch(examples: Sequence[QAExample], group_size: int, vocab_size: int, seed: int,
                     pool: Sequence[Sequence[int]], probe_prob: float = 0.5, correct_prob: float = 0.4,
-                    pad_id: int = 0, pad_to: int | None = None) -> TrajectoryBatch:
+                    pad_id: int = 0, pad_to: int | None = None, length_scale: int = 1) -> TrajectoryBatch:
+    """length_scale multiplies every chunk's length (the random draws are unchanged, so 1 is the
+    default layout): benchmarks use it for trajectories as long as a real rollout's."""
     rng = np.random.default_rng(seed)
-    tok = lambda n: rng.integers(8, vocab_size, int(n)).tolist()  # noqa: E731  (ids < 8 reserved)
+    tok = lambda n: rng.integers(8, vocab_size, int(n) * length_scale).tolist()  # noqa: E731  (ids < 8 reserved)
     records = []
     for q, ex in enumerate(examples):
         for _ in range(group_size):
@@ -74,8 +76,10 @@ def _record(chunks, group, example, text, searches, probe_len):
 class SyntheticRollout:
     """Rollout stand-in with the trainer's rollout interface; ignores the policy parameters."""
 
-    def __init__(self, vocab_size: int = 512, probe_prob: float = 0.5, correct_prob: float = 0.4):
+    def __init__(self, vocab_size: int = 512, probe_prob: float = 0.5, correct_prob: float = 0.4,
+                 length_scale: int = 1):
         self.vocab_size, self.probe_prob, self.correct_prob = vocab_size, probe_prob, correct_prob
+        self.length_scale = length_scale
         self.pool_tokens = synthetic_pool(vocab_size)
 
     def setup(self, model_cfg, params, num_trajectories: int, mesh=None) -> None:
@@ -87,7 +91,8 @@ class SyntheticRollout:
 
     def __call__(self, params, examples, group_size: int, seed: int, use_probes: bool = True):
         batch = synthetic_batch(examples, group_size, self.vocab_size, seed, self.pool_tokens,
-                                self.probe_prob if use_probes else 0.0, self.correct_prob)
+                                self.probe_prob if use_probes else 0.0, self.correct_prob,
+                                length_scale=self.length_scale)
         return batch, {"probes_created": int(batch.is_probe.sum())}
 
 

@@ -37,6 +37,7 @@ from rexrag_jax.rl.advantages import group_advantages
 from rexrag_jax.rl.behaviour import behaviour_logprobs
 from rexrag_jax.rl.filtering import INITIAL_KEEP_RATIO
 from rexrag_jax.rl.loss import combine_micro_batches
+from rexrag_jax.models.qwen2.flops import train_flops
 from rexrag_jax.rollout.types import SEG_PROMPT
 from rexrag_jax.train import packing, prepare
 from rexrag_jax.train.checkpoint import Checkpointer
@@ -402,6 +403,11 @@ class Trainer:
                         "time/rollout": t_rollout, "time/logprob": t_logprob, "time/update": t_update,
                         "time/step": t_step, "tokens_per_s": update_tokens / max(t_step, 1e-9),
                         "update_tokens_per_s": update_tokens * cfg.ppo_epochs / max(t_update, 1e-9)})
+        # model FLOPs of the update passes on real tokens (3 x forward, models/qwen2/flops.py): MFU's numerator
+        update_lengths = np.asarray(arrays["attention_mask"], bool).sum(axis=1)
+        update_flops = cfg.ppo_epochs * train_flops(self.model_cfg, update_lengths)
+        metrics.update({"perf/update_flops": float(update_flops),
+                        "perf/update_flops_per_s": update_flops / max(t_update, 1e-9)})
         # update passes (all epochs): real tokens, token slots processed (real + padding), padding share;
         # logprob_padded: slots of the π_old (+ π_ref) passes
         ts = self._token_stats
