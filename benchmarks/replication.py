@@ -59,7 +59,10 @@ REPLICATION_DEFAULTS = dict(test_per_hop=300, curve_every=0, rl_time_budget_s=No
                             # third pass (issue 12): traps always fire in the warm-start records, so sampling
                             # escapes a trap only by the rare own reflection, and half the fired traps are
                             # revision records, twice the copy-across-the-prompt data of the second pass
-                            trap_dead_end_prob=1.0, trap_revision_share=0.5)
+                            trap_dead_end_prob=1.0, trap_revision_share=0.5,
+                            # fourth pass: after the prompt a revision record re-issues the last query and
+                            # walks on from its observation (no copy of a name across the prompt)
+                            revision_continuation="research")
 # two-sided 95% t quantiles, df 1..10 (beyond: 1.96 + 2.5/df, within 0.01)
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

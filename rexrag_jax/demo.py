@@ -63,7 +63,10 @@ class DemoConfig:
     # reflects on its own after a trap, rarely (the base LLM's rare self-reflection), which is what the
     # probes' prompt tokens reinforce under the policy correction (a prompt the policy never emits has
     # importance weight ~0 there).
-    trap_reflect_share: float = 0.0    # benchmarks/replication.py: 0.15
+    trap_reflect_share: float = 0.0    # benchmarks/replication.py: 0.1
+    # what a revision record does after the prompt (rexrag_jax.data.warmstart.make_trajectory): "restate" the
+    # last fact and search the next hop, or "research" the last query and walk on from its observation
+    revision_continuation: str = "restate"  # benchmarks/replication.py: "research"
     # reading worlds: the warm start also learns from the train questions of this many worlds with the
     # same names but re-drawn facts (observations from their own corpus). Trained on one world only, the
     # policy memorises its facts and ignores what it retrieves (issue 12: held-out EM 0-8% on questions
@@ -312,7 +315,8 @@ def warmstart_records(world, cfg: DemoConfig, seed: int, traps, retriever) -> li
                           topk=cfg.topk, examples=sft_questions(world, cfg),
                           dead_end_stop=cfg.dead_end_stop, revision_fraction=cfg.revision_fraction,
                           trap_relations=traps, trap_dead_end_prob=cfg.trap_dead_end_prob,
-                          trap_revision_share=cfg.trap_revision_share, trap_reflect_share=cfg.trap_reflect_share)
+                          trap_revision_share=cfg.trap_revision_share, trap_reflect_share=cfg.trap_reflect_share,
+                          revision_continuation=cfg.revision_continuation)
 
 
 def reading_world_trajectories(world, cfg: DemoConfig, seed: int, traps) -> list[dict]:

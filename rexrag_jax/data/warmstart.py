@@ -76,6 +76,7 @@ def observation(hits) -> str:
 
 
 DEAD_END_STOPS = ("any_hop", "no_search")
+REVISION_CONTINUATIONS = ("restate", "research")
 
 
 def _search_turns(hops, known, retriever, topk, kind):
@@ -116,7 +117,7 @@ def has_trap(world: World, example, trap_relations) -> bool:
 
 def make_trajectory(world: World, example, retriever, *, dead_end: bool, rng: random.Random,
                     topk: int = 3, dead_end_stop: str = "any_hop", revision_prompt: str | None = None,
-                    stop: int | None = None, learn_prompt: bool = False) -> dict:
+                    stop: int | None = None, learn_prompt: bool = False, continuation: str = "restate") -> dict:
     """One trajectory record (see the module docstring); `retriever` has `search(queries, topk)`.
 
     dead_end_stop: where a dead end stops, "any_hop" (after j ~ U{0..k-1} searches) or "no_search"
@@ -124,7 +125,12 @@ def make_trajectory(world: World, example, retriever, *, dead_end: bool, rng: ra
     revision_prompt: make a revision trajectory (dead end, this prompt, correct continuation; not with
     dead_end=True). stop: searches before the dead end answers (a trap dead end), instead of drawing it.
     learn_prompt: a self-reflection record: the revision prompt is the model's own text (a "response"
-    segment, in the SFT loss) instead of an inserted one (a "probe" segment, masked out)."""
+    segment, in the SFT loss) instead of an inserted one (a "probe" segment, masked out).
+    continuation: what a revision record does after the prompt (REVISION_CONTINUATIONS): "restate" the last
+    fact and search the next hop, or "research": re-issue the last query ("Let me search again."), then walk
+    on from the repeated observation exactly as a correct record does (no searches done: as "restate")."""
+    if continuation not in REVISION_CONTINUATIONS:
+        raise ValueError(f"revision continuation must be one of {REVISION_CONTINUATIONS}, got {continuation!r}")
     if dead_end_stop not in DEAD_END_STOPS:
         raise ValueError(f"dead_end_stop must be one of {DEAD_END_STOPS}, got {dead_end_stop!r}")
     if dead_end and revision_prompt is not None:
@@ -154,16 +160,26 @@ def make_trajectory(world: World, example, retriever, *, dead_end: bool, rng: ra
         # the probe's cut: the dead end's think kept, its <answer> block replaced by the prompt
         segments.append([CONTEXT, f"<think> {think} </think>"])
         segments.append([RESPONSE if learn_prompt else PROBE, revision_prompt])
-        subj, rel, obj = hops[stop]
-        query = f"{subj} {rel}"
-        # the continuation restates the last fact before the next hop: the entity to search next is then
-        # copied from right beside it, not from before the prompt (a 2-layer warm start copying across the
-        # prompt names a wrong entity in most probes: probe 5.9% vs fresh 4.5%)
-        restate = f" {think}" if known is not None else ""
-        segments.append([RESPONSE, f"{restate} I need the {rel} of {subj}. </think><search> {query} </search>"])
-        segments.append([INFORMATION, observation(retriever.search([query], topk)[0])])
-        rest, known = _search_turns(hops[stop + 1:], (subj, rel, obj), retriever, topk, RESPONSE)
-        segments += rest
+        if continuation == "research" and known is not None:
+            # re-issue the last query verbatim, then walk on from its (repeated) observation as a normal
+            # step does: the next entity is copied from right after the observation, the skill the warm
+            # start is best at, instead of across the prompt (issue 12, fourth pass)
+            last = f"{known[0]} {known[1]}"
+            segments.append([RESPONSE, f" Let me search again. </think><search> {last} </search>"])
+            segments.append([INFORMATION, observation(retriever.search([last], topk)[0])])
+            rest, known = _search_turns(hops[stop:], known, retriever, topk, RESPONSE)
+            segments += rest
+        else:
+            subj, rel, obj = hops[stop]
+            query = f"{subj} {rel}"
+            # the continuation restates the last fact before the next hop: the entity to search next is then
+            # copied from right beside it, not from before the prompt (a 2-layer warm start copying across the
+            # prompt names a wrong entity in most probes: probe 5.9% vs fresh 4.5%)
+            restate = f" {think}" if known is not None else ""
+            segments.append([RESPONSE, f"{restate} I need the {rel} of {subj}. </think><search> {query} </search>"])
+            segments.append([INFORMATION, observation(retriever.search([query], topk)[0])])
+            rest, known = _search_turns(hops[stop + 1:], (subj, rel, obj), retriever, topk, RESPONSE)
+            segments += rest
         answer = known[2]
         think = f"The {known[1]} of {known[0]} is {known[2]}."
     segments.append([RESPONSE, f"<think> {think} </think><answer> {answer} </answer>"])
@@ -180,7 +196,8 @@ def make_trajectory(world: World, example, retriever, *, dead_end: bool, rng: ra
 def make_warmstart(world: World, *, dead_end_fraction: float = 0.2, seed: int = 0, retriever=None,
                    topk: int = 3, examples=None, dead_end_stop: str = "any_hop", revision_fraction: float = 0.0,
                    revision_prompts=None, trap_relations=(), trap_dead_end_prob: float = 0.85,
-                   trap_revision_share: float = 0.3, trap_reflect_share: float = 0.0) -> list[dict]:
+                   trap_revision_share: float = 0.3, trap_reflect_share: float = 0.0,
+                   revision_continuation: str = "restate") -> list[dict]:
     """Trajectories for `examples` (default: the train split), deterministic given `seed`.
 
     Exactly round(dead_end_fraction * n) of them are dead ends and round(revision_fraction * n) others
@@ -234,7 +251,7 @@ def make_warmstart(world: World, *, dead_end_fraction: float = 0.2, seed: int = 
                     dead_end = True
         out.append(make_trajectory(world, ex, retriever, dead_end=dead_end, rng=rng, topk=topk,
                                    dead_end_stop=dead_end_stop, revision_prompt=prompt, stop=stop,
-                                   learn_prompt=learn))
+                                   learn_prompt=learn, continuation=revision_continuation))
     return out
 
 

@@ -391,3 +391,42 @@ def test_reading_world_keeps_names_and_redraws_facts():
         assert hops[-1][2] == ex.golden_answers[0]
         for subj, rel, obj in hops:
             assert f"The {rel} of {subj} is {obj}." in other.passage_text(other.names.index(subj))
+
+
+def test_research_continuation_reissues_the_last_query_then_walks_on(world):
+    """revision_continuation="research": after the prompt the record re-issues the last query verbatim
+    (same observation again), then walks the remaining hops exactly as a correct record does; the dead-end
+    prefix and the prompt are the same as with "restate"."""
+    import random
+
+    from rexrag_jax.data.warmstart import make_trajectory, pick_trap_relations
+
+    traps = pick_trap_relations(0, 3)
+    kw = dict(dead_end_fraction=0.0, trap_relations=traps, trap_dead_end_prob=1.0, trap_revision_share=0.5, seed=4)
+    research = make_warmstart(world, revision_continuation="research", **kw)
+    restate = make_warmstart(world, revision_continuation="restate", **kw)
+    retriever = WorldRetriever(world.corpus_rows())
+    rev = [(a, b) for a, b in zip(research, restate) if a["revision"]]
+    assert rev and all(b["revision"] for _, b in rev)
+    for t, old in rev:
+        kinds = [k for k, _ in t["segments"]]
+        p = kinds.index("probe")
+        assert t["segments"][:p + 1] == old["segments"][:p + 1]  # same dead end, same prompt
+        hops = world.hops(t["id"])
+        j = kinds[:p].count("information")
+        last = f"{hops[j - 1][0]} {hops[j - 1][1]}"
+        assert t["segments"][p + 1] == ["response", f" Let me search again. </think><search> {last} </search>"]
+        queries = re.findall(r"<search> (.*?) </search>", t["response"])
+        assert queries == [f"{s} {r}" for s, r, _ in hops[:j]] + [last] + [f"{s} {r}" for s, r, _ in hops[j:]]
+        assert t["num_searches"] == len(hops) + 1
+        assert [x for k, x in t["segments"] if k == "information"] == [observation(h) for h in retriever.search(queries, 3)]
+        # after the repeated observation: the correct record's own turns, from hop j on
+        example = next(e for e in world.train if e.id == t["id"])
+        correct = make_trajectory(world, example, retriever, dead_end=False, rng=random.Random(0))
+        assert t["response"].endswith(correct["response"].split("</search>", j)[-1])
+        assert compute_reward(t["response"], t["golden_answers"]) == 1.0
+        assert set(kinds[p + 1:]) <= {"response", "information"}
+    # non-revision records are the same under both continuations
+    assert [a for a in research if not a["revision"]] == [b for b in restate if not b["revision"]]
+    with pytest.raises(ValueError, match="revision continuation"):
+        make_warmstart(world, revision_continuation="retry", **kw)
