@@ -27,7 +27,6 @@ import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from rexrag_jax.data.iterator import ShardedIterator
 from rexrag_jax.io import paths
@@ -43,7 +42,8 @@ from rexrag_jax.train import packing, prepare
 from rexrag_jax.train.checkpoint import Checkpointer
 from rexrag_jax.train.metrics_log import MetricsLogger
 from rexrag_jax.train.optim import OptimizerConfig
-from rexrag_jax.train.update import LossConfig, make_logprob_fn, make_packed_update_fns, make_update_fn, packed_update
+from rexrag_jax.train.update import (LossConfig, make_logprob_fn, make_packed_update_fns, make_update_fn,
+                                     opt_state_shardings, packed_update)
 
 log = logging.getLogger(__name__)
 
@@ -266,11 +266,8 @@ class Trainer:
         if self.mesh is None:
             self._opt_shardings = None
             return self.optimizer.init(self.params)
-        from jax.sharding import NamedSharding, PartitionSpec
         shapes = jax.eval_shape(self.optimizer.init, self.params)
-        self._opt_shardings = optax.tree_map_params(
-            self.optimizer, lambda _, s: s, shapes, self._param_shardings,
-            transform_non_params=lambda _: NamedSharding(self.mesh, PartitionSpec()))
+        self._opt_shardings = opt_state_shardings(self.optimizer, shapes, self._param_shardings, self.mesh)
         return jax.jit(self.optimizer.init, out_shardings=self._opt_shardings)(self.params)
 
     def _meta(self) -> dict:

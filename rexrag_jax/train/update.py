@@ -128,6 +128,14 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
+def opt_state_shardings(optimizer: optax.GradientTransformation, opt_shapes, param_shardings, mesh):
+    """Shardings of optimizer.init(params): every params-shaped leaf (Adam moments) takes its parameter's
+    sharding, the rest (step counts) is replicated. `opt_shapes`: jax.eval_shape(optimizer.init, params)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+    return optax.tree_map_params(optimizer, lambda _, s: s, opt_shapes, param_shardings,
+                                 transform_non_params=lambda _: NamedSharding(mesh, PartitionSpec()))
+
+
 def make_update_fn(cfg: Qwen2Config, optimizer: optax.GradientTransformation, loss_cfg: LossConfig,
                    out_shardings=None) -> Callable:
     """jit(update)(params, opt_state, micro_batches, lr, poison) -> (params, opt_state, metrics).
