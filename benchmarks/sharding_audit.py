@@ -52,7 +52,7 @@ def main(argv=None) -> int:
         print(f"sharding_audit: --programs {bad}: expected some of {PROGRAMS}", file=sys.stderr)
         return 2
     dp = mesh_sizes["data"] * mesh_sizes["fsdp"]
-    inp, shapes = reference_inputs(args.preset, dp)
+    inp, shapes = reference_inputs(args.preset, dp * mesh_sizes["tensor"], mesh_sizes["tensor"])
     shapes = dataclasses.replace(shapes, micro_batch=max(shapes.micro_batch, dp), logprob_rows=max(shapes.logprob_rows, dp))
     mesh = make_mesh(mesh_sizes["data"], mesh_sizes["fsdp"], mesh_sizes["tensor"])
     failed = False

@@ -191,6 +191,7 @@ class PlanInputs:
     micro_batch: int
     reference_model: bool = True
     logprob_chunk: int | None = None
+    cache_len: int | None = None  # engine KV slots: RolloutConfig.max_context + max_new_tokens (None: MAX_SEQ_LEN)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +238,7 @@ def make_plan(inp: PlanInputs) -> MemoryPlan:
         "grad_accumulator": shard * 4 if inp.mini_batch > inp.micro_batch else 0,
         "activations_no_remat": act[False],
         "activations_remat": act[True],
-        "kv_cache": kv_cache_bytes(cfg, inp.rollout_batch, inp.max_seq_len, mesh),
+        "kv_cache": kv_cache_bytes(cfg, inp.rollout_batch, inp.cache_len or inp.max_seq_len, mesh),
         "decode_logits": -(-inp.rollout_batch // batch_ways) * _split(cfg.vocab_size, mesh["tensor"]) * 4,
     }
     resident = c["parameters"] + c["adamw_moments"] + c["reference_policy"]
@@ -246,13 +247,179 @@ def make_plan(inp: PlanInputs) -> MemoryPlan:
     return MemoryPlan(inp, param_count(cfg), devices, int(hbm_gib * GiB), rows, c, train, rollout)
 
 
+# ---- per compiled program (compared with XLA's memory_analysis by benchmarks/aot_plan.py) ---------------
+PREFILL_CHUNK = 512   # GenerationEngine.prefill_chunk default: the largest append chunk
+DECODE_CHUNK = 16     # SearchRollout.decode_chunk default
+
+
+def engine_rows(inp: PlanInputs) -> int:
+    """GenerationEngine rows: required_batch_size(ROLLOUT_BATCH) = ROLLOUT_BATCH (probes reuse their row)."""
+    return inp.rollout_batch
+
+
+def engine_len(inp: PlanInputs) -> int:
+    return inp.cache_len or inp.max_seq_len
+
+
+def program_bytes_v0(inp: PlanInputs) -> dict[str, int]:
+    """What the plan counted before per-program estimates, mapped onto the compiled programs: the update
+    = parameters + moments + gradients + accumulator + activations; the log-prob pass = parameters (its
+    activations were not modelled); prefill and decode = parameters + KV cache + decode logits."""
+    c = make_plan(inp).components
+    act = c["activations_remat"] if inp.cfg.remat else c["activations_no_remat"]
+    upd = c["parameters"] + c["adamw_moments"] + c["gradients"] + c["grad_accumulator"] + act
+    gen = c["parameters"] + c["kv_cache"] + c["decode_logits"]
+    return {"update": upd, "logprob": c["parameters"], "prefill": gen, "decode": gen}
+
+
+def _layer_kernel_bytes(cfg: Qwen2Config, tensor: int, nbytes: int) -> int:
+    """One layer's 7 kernels gathered whole over fsdp (split over tensor where divisible)."""
+    D, Hd = cfg.hidden_size, cfg.head_dim
+    H, KV, F = (_split(cfg.num_heads, tensor), _split(cfg.num_kv_heads, tensor),
+                _split(cfg.intermediate_size, tensor))
+    return nbytes * (2 * D * H * Hd + 2 * D * KV * Hd + 3 * D * F)
+
+
+def program_bytes(inp: PlanInputs) -> dict[str, int]:
+    """Predicted per-device bytes (arguments + outputs - aliased + temporaries, as XLA's memory_analysis
+    counts them; donated buffers once) of each compiled program (benchmarks/aot_plan.py compares them).
+
+    With b rows per device, S = 4·b·H·T² (one float32 [b, H, T, T] attention-score buffer), W = one
+    layer's kernels gathered whole in float32, E = the (tied) embedding / lm_head gathered whole in the
+    compute dtype, P = the parameter shard in bytes, KV = the engine's k + v shard, G = decode logits:
+
+      update   3·P (params + 2 moments) + micro-batch inputs
+               + 3·P·4/pb (float32 gradient accumulator, one micro-batch's gradient, the update)
+               + 4·S (scores, masked scores, softmax and its gradient of the layer being differentiated)
+               + L·b·T·D·4 (the remat scan's saved layer inputs, float32) + W
+      logprob  P + tokens + 3·S (forward: scores, masked, softmax) + E (hoisted out of the chunk loop) + W
+      prefill  P + KV + G + 3·K_all + 2·K (the engine gathers rows by replicated indices, so the partitioner
+               all-gathers the whole cache, every row of every device; K_all = all rows of k, K = this
+               device's k, both float32 as XLA:CPU holds them)
+      decode   P + KV + G + 2·KV (the while loop's copies of k and v) + 5·G
+
+    The multiplicities (4·S, 3·S, 3·P) are the buffers XLA keeps live at the peak in the buffer assignment
+    of these programs (XLA:CPU, which also upcasts bf16 gathers/scatters to float32; TPU not measured).
+    """
+    cfg, mesh = inp.cfg, inp.mesh
+    pb = DTYPE_BYTES[cfg.param_dtype]
+    ways, tensor = mesh["data"] * mesh["fsdp"], mesh["tensor"]
+    P = param_shard_elements(cfg, mesh) * pb
+    T, D, L = inp.max_seq_len, cfg.hidden_size, cfg.num_layers
+    b = -(-inp.micro_batch // ways)
+    H, V = _split(cfg.num_heads, tensor), _split(cfg.vocab_size, tensor)
+    S = 4 * b * H * T * T
+    W = _layer_kernel_bytes(cfg, tensor, 4)
+    E = V * D * DTYPE_BYTES[cfg.dtype]
+    n_micro = inp.mini_batch // inp.micro_batch
+    inputs = n_micro * b * T * (4 + 1 + 1 + 4 + (4 if inp.reference_model else 0)) + n_micro * b * (4 + 1)
+    update = 3 * P + inputs + 3 * (P // pb) * 4 + 4 * S + L * b * T * D * 4 + W
+    if not cfg.remat:  # not measured: every layer's activations kept instead of its input (activation_bytes)
+        update += (activation_bytes(cfg, b, T, tensor, False, inp.logprob_chunk)
+                   - activation_bytes(cfg, b, T, tensor, True, inp.logprob_chunk))
+    logprob = P + b * T * (4 + 1) + 3 * S + E + W
+    rows, slots = engine_rows(inp), engine_len(inp)
+    kv = kv_cache_bytes(cfg, rows, slots, mesh)
+    logits = -(-rows // ways) * V * 4
+    beta = DTYPE_BYTES[cfg.dtype]
+    k_all_f32 = kv_cache_bytes(cfg, rows, slots, {"data": 1, "fsdp": 1, "tensor": tensor}) // 2 * 4 // beta
+    k_f32 = kv // 2 * 4 // beta  # this device's k (or v) in float32
+    prefill = P + kv + logits + 3 * k_all_f32 + 2 * k_f32
+    decode = P + kv + logits + 2 * kv + 5 * logits
+    return {"update": update, "logprob": logprob, "prefill": prefill, "decode": decode}
+
+
+def resident_extra_bytes(inp: PlanInputs) -> dict[str, int]:
+    """Bytes resident on the device while each program runs that are not its arguments: the reference
+    policy (KL term), the optimizer moments outside the update, and the engine's KV cache and logits
+    outside the rollout (GenerationEngine allocates them once and keeps them for the whole run)."""
+    cfg, mesh = inp.cfg, inp.mesh
+    P = param_shard_elements(cfg, mesh) * DTYPE_BYTES[cfg.param_dtype]
+    ref = P if inp.reference_model else 0
+    ways = mesh["data"] * mesh["fsdp"]
+    engine = (kv_cache_bytes(cfg, engine_rows(inp), engine_len(inp), mesh)
+              + -(-engine_rows(inp) // ways) * _split(cfg.vocab_size, mesh["tensor"]) * 4)
+    return {"update": ref + engine, "logprob": 2 * P + ref + engine, "prefill": 2 * P + ref,
+            "decode": 2 * P + ref}
+
+
+def program_peaks(inp: PlanInputs) -> dict[str, int]:
+    """Device bytes while each program runs: program_bytes + resident_extra_bytes."""
+    extra = resident_extra_bytes(inp)
+    return {k: v + extra[k] for k, v in program_bytes(inp).items()}
+
+
+def _with(inp: PlanInputs, **kw) -> PlanInputs:
+    return dataclasses.replace(inp, **kw)
+
+
+def smallest_fix(inp: PlanInputs, program: str, hbm_bytes: int, max_fsdp: int = 4096) -> str | None:
+    """The smallest change that brings `program`'s device peak under hbm_bytes, as a sentence (None when
+    it fits): remat, then a smaller MICRO_BATCH (update / log-prob pass), then fewer ROLLOUT_BATCH rows (the
+    engine's KV cache), else the fsdp size that fits with everything else unchanged."""
+    fits = lambda i: program_peaks(i)[program] <= hbm_bytes  # noqa: E731
+    if fits(inp):
+        return None
+    ways = inp.mesh["data"] * inp.mesh["fsdp"]
+    if program in ("update", "logprob"):
+        if not inp.cfg.remat and fits(_with(inp, cfg=inp.cfg.replace(remat=True))):
+            return "remat on (model_config.remat = True)"
+        micro = inp.micro_batch
+        while micro > ways and micro % 2 == 0 and inp.mini_batch % (micro // 2) == 0:
+            micro //= 2
+            if fits(_with(inp, micro_batch=micro)):
+                return f"MICRO_BATCH = {micro}"
+    # the engine's KV cache (an argument of prefill / decode, resident otherwise) scales with its rows
+    lo, hi = 0, inp.rollout_batch // ways  # rows per batch shard
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(_with(inp, rollout_batch=mid * ways)):
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo > 0:
+        return (f"ROLLOUT_BATCH (= NUM_QUESTIONS x GROUP_SIZE, the engine's rows) <= {lo * ways}, "
+                f"{inp.rollout_batch / (lo * ways):.1f}x fewer")
+    fsdp = inp.mesh["fsdp"]
+    while fsdp < max_fsdp:
+        fsdp *= 2
+        mesh = dict(inp.mesh, fsdp=fsdp)
+        wider = _with(inp, mesh=mesh, micro_batch=max(inp.micro_batch, mesh["data"] * fsdp))
+        if fits(wider):
+            return f"fsdp={fsdp} ({fsdp * inp.mesh['data'] * inp.mesh['tensor']} devices)"
+    return f"nothing up to fsdp={max_fsdp} fits: the program's own temporaries exceed the chip"
+
+
+def format_programs(plan: MemoryPlan) -> list[str]:
+    """Lines of the per-program table of format_plan (estimates calibrated on XLA's memory_analysis)."""
+    inp = plan.inputs
+    _, _, hbm = tpu_devices(inp.tpu)
+    est, extra = program_bytes(inp), resident_extra_bytes(inp)
+    lines = ["", f"  compiled programs (per device; program = XLA arguments + outputs - aliased + temporaries, "
+                 "see program_bytes; + resident = state held meanwhile)",
+             f"  {'program':9s} {'program':>12s} {'+ resident':>12s} {'peak':>12s}  verdict"]
+    for prog in est:
+        peak = est[prog] + extra[prog]
+        share = peak / plan.hbm_bytes
+        verdict = "fits" if share <= 0.9 else ("fits, tight (> 90%)" if share <= 1 else "DOES NOT FIT")
+        lines.append(f"  {prog:9s} {est[prog] / GiB:8.2f} GiB {extra[prog] / GiB:8.2f} GiB {peak / GiB:8.2f} GiB  "
+                     f"{share:6.1%} of {hbm:g} GiB: {verdict}")
+        fix = smallest_fix(inp, prog, plan.hbm_bytes)
+        if fix:
+            lines.append(f"  {'':9s} smallest change that fits: {fix}")
+    if program_bytes(inp)["prefill"] > 2 * (kv_cache_bytes(inp.cfg, engine_rows(inp), engine_len(inp), inp.mesh)):
+        lines.append("  note: prefill gathers the engine's KV rows by replicated indices, which the partitioner "
+                     "turns into an all-gather of the whole cache on every device (generation/kernels.prefill)")
+    return lines
+
+
 def max_rollout_rows(plan: MemoryPlan) -> int:
     """Largest ROLLOUT_BATCH whose rollout phase fits (0 if the resident state alone does not fit)."""
     inp = plan.inputs
     resident = plan.rollout_peak - plan.components["kv_cache"] - plan.components["decode_logits"]
     free = plan.hbm_bytes - resident
     ways = inp.mesh["data"] * inp.mesh["fsdp"]
-    one = (kv_cache_bytes(inp.cfg, ways, inp.max_seq_len, inp.mesh)
+    one = (kv_cache_bytes(inp.cfg, ways, inp.cache_len or inp.max_seq_len, inp.mesh)
            + _split(inp.cfg.vocab_size, inp.mesh["tensor"]) * 4)  # one row per batch shard
     return max(0, free // one) * ways if free > 0 else 0
 
@@ -315,6 +482,7 @@ def format_plan(plan: MemoryPlan) -> str:
                      "generate in chunks of that many rows or add devices")
     if plan.train_peak > plan.hbm_bytes and not cfg.remat:
         lines.append("  training: try remat (model_config.remat = True) or a smaller MICRO_BATCH")
+    lines += format_programs(plan)
     if cfg.param_dtype != "float32":
         lines.append(f"  warning: param_dtype={cfg.param_dtype} updates the weights in {cfg.param_dtype} (no float32 "
                      "master copy): steps below ~0.4% of a weight round away, which at RL learning rates "
@@ -328,6 +496,7 @@ def _gin_values(gin_files: Sequence[str], gin_bindings: Sequence[str]) -> dict[s
     import gin
 
     from rexrag_jax.models.qwen2 import config as _config  # noqa: F401  (registers model_config)
+    from rexrag_jax.rollout import loop as _loop  # noqa: F401  (registers RolloutConfig)
 
     gin.clear_config()
     for f in gin_files:
@@ -352,8 +521,15 @@ def _gin_values(gin_files: Sequence[str], gin_bindings: Sequence[str]) -> dict[s
             out[key] = gin.query_parameter(f"model_config.{key}")
         except ValueError:
             pass
+    for key in ("max_context", "max_new_tokens"):  # the engine's KV slots = max_context + max_new_tokens
+        try:
+            out[key] = gin.query_parameter(f"RolloutConfig.{key}")
+        except ValueError:
+            pass
     for key, value in list(out.items()):
         out[key] = _resolve_macro(gin, key, value)
+    if "max_context" in out and "max_new_tokens" in out:
+        out["CACHE_LEN"] = int(out.pop("max_context")) + int(out.pop("max_new_tokens"))
     gin.clear_config()
     return out
 
@@ -426,6 +602,7 @@ def plan_from_args(argv: Sequence[str]) -> tuple[MemoryPlan, argparse.Namespace]
         micro_batch=int(pick(args.micro_batch, "MICRO_BATCH")),
         reference_model=not args.no_reference and not (kl is not None and float(kl) == 0.0),
         logprob_chunk=int(chunk) if chunk else None,
+        cache_len=int(g["CACHE_LEN"]) if "CACHE_LEN" in g else None,
     )
     return make_plan(inp), args
 
