@@ -1,13 +1,27 @@
-"""Decode throughput of GenerationEngine vs HF transformers `generate`, and the probe-splice saving.
+"""Decode throughput of GenerationEngine vs HF transformers `generate`, against this machine's roofline,
+and the probe-splice saving.
 
 Same random Qwen2 weights in both (ours exported through hf_io.iter_hf_tensors), same machine, same
 run, warm-up excluded. transformers is timed with torch threads = CPU count and with 1 thread (on a
 loaded machine the multi-threaded run can be far slower); the ratio is reported against each and against
-the faster one. Both sides time prefill + 128 greedy tokens. Target >= 3x,
-then prefill tokens and wall time of copy_prefix vs re-prefilling a 1k-token prefix (target >= 5x).
+the faster one. Both sides time prefill + `--new` greedy tokens; the decode step alone is timed as
+ours: generate() without the prompt's append; transformers: (t(new tokens) - t(1 token)) / (new - 1).
+
+Roofline of one decode step (issue 13): the machine's fp32 GEMM peak and read bandwidth are measured in
+the same run (benchmarks/_machine.py, before and after the timed runs; the higher of each is used), and
+    t_roof = max(bytes / bandwidth, FLOPs / GEMM peak)
+with bytes = every weight read once (decoder layers, the tied embedding / LM head; B embedding rows when
+untied) + the K/V of the live context (prompt + new/2 slots per row, all layers), and FLOPs = B x (dense
+matmuls + LM head) + attention over that context (rexrag_jax/models/qwen2/flops.py). Prints
+`decode: X% of roofline, Y× transformers` (X = t_roof / our step, Y = their step / ours). With
+`--compare-stacked` the previous layout (stacked weights sliced inside the layer loop) is timed too and its
+greedy tokens are checked identical. Then prefill tokens and wall time of copy_prefix vs re-prefilling a
+1k-token prefix (target >= 5x; `--prefix 0` skips it).
 
   python benchmarks/generation.py [--preset small] [--batch 16] [--new 128] [--prompt 32] [--repeats 3]
                                   [--single-thread]   # XLA and torch both on one thread
+  python benchmarks/generation.py --preset qwen2.5-0.5b --batch 16 --prompt 32 --new 32 --repeats 1 \
+                                  --prefix 0 --compare-stacked
 """
 from __future__ import annotations
 
@@ -22,8 +36,15 @@ if "--single-thread" in sys.argv:  # must precede jax's import: XLA reads its fl
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+
+import _machine  # noqa: E402
+from rexrag_jax.models.qwen2.flops import dense_flops_per_token  # noqa: E402
 
 from rexrag_jax.generation import GenerationEngine  # noqa: E402
 from rexrag_jax.models.qwen2.config import Qwen2Config  # noqa: E402
@@ -48,6 +69,30 @@ def hf_model(params, cfg):
     return model
 
 
+def decode_roofline(cfg, batch: int, context: float, machine: dict) -> dict:
+    """Bytes, FLOPs and the roofline time of one decode step at `batch` rows of `context` live slots."""
+    item = np.dtype(cfg.param_dtype).itemsize
+    L, D, V = cfg.num_layers, cfg.hidden_size, cfg.vocab_size
+    layer_params = dense_flops_per_token(cfg) // 2 + L * (2 * D + (cfg.num_heads + 2 * cfg.num_kv_heads)
+                                                          * cfg.head_dim)  # matmuls + norms + biases
+    head = V * D if cfg.tie_word_embeddings else V * D + batch * D
+    weight_bytes = (layer_params + head + D) * item
+    kv_bytes = 2 * L * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize * context * batch
+    flops = batch * (dense_flops_per_token(cfg) + 2 * D * V) + 4 * L * cfg.num_heads * cfg.head_dim * context * batch
+    t_bw = (weight_bytes + kv_bytes) / machine["read_bytes_per_s"]
+    t_fl = flops / machine["gemm_flops_per_s"]
+    return {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "flops": flops, "t_bytes": t_bw, "t_flops": t_fl,
+            "t": max(t_bw, t_fl)}
+
+
+def machine_limits() -> dict:
+    m = _machine.measure(gemm_repeats=3)
+    print(f"machine: fp32 GEMM peak {m['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s "
+          f"({', '.join(f'{n}²: {v / 1e9:.0f}' for n, v in m['gemm_per_size'].items())}), read bandwidth "
+          f"{m['read_bytes_per_s'] / 1e9:.1f} GB/s, load average {os.getloadavg()[0]:.1f}")
+    return m
+
+
 def best_of(fn, repeats):
     times = []
     for _ in range(repeats):
@@ -69,10 +114,14 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--single-thread", action="store_true",
                     help="XLA CPU single-threaded and transformers timed with 1 torch thread only")
+    ap.add_argument("--compare-stacked", action="store_true",
+                    help="also time the engine with stacked weights (unstack=False, the previous decode layout)")
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     args = ap.parse_args(argv)
+    if args.new < 2 or args.prompt < 1 or args.batch < 1 or args.repeats < 1:
+        print("generation.py: --new must be >= 2 and --prompt, --batch, --repeats >= 1", file=sys.stderr)
+        return 2
 
-    import torch
-    torch.set_num_threads(os.cpu_count())
     cfg = Qwen2Config.from_preset(args.preset)
     params = init_params(cfg, jax.random.PRNGKey(0))
     rng = np.random.RandomState(0)
@@ -82,51 +131,102 @@ def main(argv=None):
           f"preset {args.preset} (L={cfg.num_layers}, D={cfg.hidden_size}, V={cfg.vocab_size}); batch "
           f"{args.batch}, prompt {args.prompt}, new {args.new}")
 
+    machine = [machine_limits()]
+
     # --- ours: prefill + decode, greedy, no stops (every row runs the full length) ------------------
-    eng = GenerationEngine(params, cfg, args.batch, args.max_len, eos_ids=(), stop_strings=(),
-                           decode_chunk=args.decode_chunk)
     rows = list(range(args.batch))
+    engines = {"ours": GenerationEngine(params, cfg, args.batch, args.max_len, eos_ids=(), stop_strings=(),
+                                        decode_chunk=args.decode_chunk)}
+    if args.compare_stacked:
+        engines["stacked"] = GenerationEngine(params, cfg, args.batch, args.max_len, eos_ids=(), stop_strings=(),
+                                              decode_chunk=args.decode_chunk, unstack=False)
+    eng = engines["ours"]
 
-    def ours():
-        eng.reset()
-        eng.append(rows, prompts.tolist())
-        outs = eng.generate(rows, args.new, jax.random.PRNGKey(0), greedy=True)
-        eng.block_until_ready()
-        return outs
+    def run_engine(e):
+        e.reset()
+        t0 = time.perf_counter()
+        e.append(rows, prompts.tolist())
+        e.block_until_ready()
+        t1 = time.perf_counter()
+        outs = e.generate(rows, args.new, jax.random.PRNGKey(0), greedy=True)
+        e.block_until_ready()
+        t2 = time.perf_counter()
+        return outs, t2 - t0, (t2 - t1) / args.new
 
-    outs = ours()  # warm-up: compiles
+    outs = {name: run_engine(e)[0] for name, e in engines.items()}  # warm-up: compiles
 
     # --- HF transformers generate ------------------------------------------------------------------
-    model = hf_model(params, cfg)
-    ids = torch.from_numpy(prompts).long()
+    settings = [] if args.no_hf else ([1] if args.single_thread else sorted({os.cpu_count(), 1}, reverse=True))
+    if settings:
+        import torch
+        model = hf_model(params, cfg)
+        ids = torch.from_numpy(prompts).long()
 
-    def hf():
+    def hf(n):
         with torch.no_grad():
-            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new,
-                                  min_new_tokens=args.new, do_sample=False, eos_token_id=None, pad_token_id=0)
+            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                  min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+    hf_out = None
+    for threads in settings:
+        torch.set_num_threads(threads)
+        hf(2)  # warm-up
 
     # Interleave the timed runs (ours, then transformers at each thread count) and keep each side's
     # best: the machine's load drifts, and back-to-back blocks would charge the drift to one side.
-    settings = [1] if args.single_thread else sorted({os.cpu_count(), 1}, reverse=True)
-    for threads in settings:
-        torch.set_num_threads(threads)
-        hf_out = hf()  # warm-up
-    t_ours, hf_times = float("inf"), {t: float("inf") for t in settings}
+    t_tot = {n: float("inf") for n in engines}
+    t_step = {n: float("inf") for n in engines}
+    hf_tot, hf_step = {t: float("inf") for t in settings}, {t: float("inf") for t in settings}
     for _ in range(args.repeats):
-        t_ours = min(t_ours, best_of(ours, 1))
+        for name, e in engines.items():
+            o, tt, ts = run_engine(e)
+            t_tot[name], t_step[name] = min(t_tot[name], tt), min(t_step[name], ts)
         for threads in settings:
             torch.set_num_threads(threads)
-            hf_times[threads] = min(hf_times[threads], best_of(hf, 1))
-    agree = np.mean([o.tokens[:16] == hf_out[i, args.prompt: args.prompt + 16].tolist()
-                     for i, o in enumerate(outs)])
+            t0 = time.perf_counter()
+            hf(1)
+            t1 = time.perf_counter()
+            hf_out = hf(args.new)
+            t2 = time.perf_counter()
+            hf_tot[threads] = min(hf_tot[threads], t2 - t1)
+            hf_step[threads] = min(hf_step[threads], ((t2 - t1) - (t1 - t0)) / (args.new - 1))
+    machine.append(machine_limits())
+    best = {k: max(m[k] for m in machine) for k in ("gemm_flops_per_s", "read_bytes_per_s")}
     n_tok = args.batch * args.new
-    print(f"ours:         {t_ours:7.3f} s  {n_tok / t_ours:9.1f} tok/s")
-    for threads, t_hf in hf_times.items():
-        print(f"transformers ({threads} torch thread{'s' * (threads > 1)}): {t_hf:7.3f} s  "
-              f"{n_tok / t_hf:9.1f} tok/s   ratio ours/transformers {t_hf / t_ours:.2f}x")
+    for name in engines:
+        print(f"{name + ':':13s} {t_tot[name]:7.3f} s  {n_tok / t_tot[name]:9.1f} tok/s   decode step "
+              f"{t_step[name] * 1e3:8.1f} ms")
+    if "stacked" in engines:
+        same = all(a.tokens == b.tokens for a, b in zip(outs["ours"], outs["stacked"]))
+        print(f"per-layer weights vs stacked: decode step {t_step['stacked'] / t_step['ours']:.2f}x faster; "
+              f"greedy tokens identical: {same}")
+        if not same:
+            print("ERROR: greedy tokens differ between the two weight layouts", file=sys.stderr)
+            return 1
+    for threads in settings:
+        print(f"transformers ({threads} torch thread{'s' * (threads > 1)}): {hf_tot[threads]:7.3f} s  "
+              f"{n_tok / hf_tot[threads]:9.1f} tok/s   decode step {hf_step[threads] * 1e3:8.1f} ms   "
+              f"ratio ours/transformers {hf_tot[threads] / t_tot['ours']:.2f}x (decode step "
+              f"{hf_step[threads] / t_step['ours']:.2f}x)")
     print(f"load average now {os.getloadavg()[0]:.1f}")
-    print(f"ratio vs the faster transformers setting: {min(hf_times.values()) / t_ours:.2f}x   "
-          f"(greedy first-16-token agreement {agree:.0%})")
+    roof = decode_roofline(cfg, args.batch, args.prompt + args.new / 2, best)
+    print(f"roofline of one decode step (GEMM peak {best['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s, read "
+          f"{best['read_bytes_per_s'] / 1e9:.1f} GB/s): weights {roof['weight_bytes'] / 1e9:.3f} GB + KV "
+          f"{roof['kv_bytes'] / 1e9:.4f} GB -> {roof['t_bytes'] * 1e3:.1f} ms; {roof['flops'] / 1e9:.2f} GFLOP -> "
+          f"{roof['t_flops'] * 1e3:.1f} ms; roofline {roof['t'] * 1e3:.1f} ms")
+    if settings:
+        agree = np.mean([o.tokens[:16] == hf_out[i, args.prompt: args.prompt + 16].tolist()
+                         for i, o in enumerate(outs["ours"])])
+        print(f"ratio vs the faster transformers setting: {min(hf_tot.values()) / t_tot['ours']:.2f}x   "
+              f"(greedy first-16-token agreement {agree:.0%})")
+        ratio = f"{min(hf_step.values()) / t_step['ours']:.2f}× transformers"
+    else:
+        ratio = "transformers not run"
+    print(f"decode: {roof['t'] / t_step['ours']:.0%} of roofline, {ratio}   "
+          f"(preset {args.preset}, batch {args.batch}, step {t_step['ours'] * 1e3:.1f} ms vs roofline "
+          f"{roof['t'] * 1e3:.1f} ms)")
+    if args.prefix <= 0:
+        return 0
 
     # --- probe splice: copy_prefix vs re-prefilling a 1k prefix -------------------------------------
     probe = rng.randint(1, cfg.vocab_size, 16).tolist()

@@ -21,7 +21,7 @@ import numpy as np
 from rexrag_jax.generation import kernels
 from rexrag_jax.generation.stops import find_stop_cut
 from rexrag_jax.models.qwen2.config import Qwen2Config
-from rexrag_jax.models.qwen2.model import CACHE_LOGICAL_AXES
+from rexrag_jax.models.qwen2.model import CACHE_LOGICAL_AXES, unstack_layers
 from rexrag_jax.sharding.rules import logical_to_spec
 
 _REASONS = {kernels.EOS: "eos", kernels.STOP: "stop", kernels.LENGTH: "length"}
@@ -67,12 +67,16 @@ def _window_at_least(n: int, lo: int) -> int:
     return 3 * p // 4 if p >= 4 and 3 * p // 4 >= n else p
 
 
+_unstack_jit = jax.jit(unstack_layers)
+
+
 class GenerationEngine:
     def __init__(self, params, cfg: Qwen2Config, batch_size: int, max_len: int, pad_id: int = 0,
                  eos_ids: Sequence[int] = (), stop_strings: Sequence[str] = ("</search>", "</answer>"),
                  detokenize: Callable[[list[int]], str] | None = None, decode_chunk: int = 16, mesh=None,
                  stop_token_seqs: Sequence[Sequence[int]] = (), prefill_chunk: int = 512,
-                 min_window: int = 64, vocab_limit: int | None = None, stop_blocks: bool = True):
+                 min_window: int = 64, vocab_limit: int | None = None, stop_blocks: bool = True,
+                 unstack: bool | None = None):
         """stop_token_seqs: optional token spellings of the stop strings for in-jit early stop (see
         stops.stop_token_sequences); the host check on detokenized text runs regardless when
         `detokenize` is given. stop_blocks (needs `detokenize`): a closing-tag stop string `</X>` ends the
@@ -80,7 +84,11 @@ class GenerationEngine:
         `</answer>` does not stop it: a device-side stop there is not confirmed and the row decodes on).
         prefill_chunk: largest append chunk (power of two). vocab_limit: the
         tokenizer's vocabulary size; ids at or above it (padding rows of the embedding, e.g. Qwen2.5's
-        151,936 rows vs 151,665 tokens) are never sampled and log-probs are renormalised over the rest."""
+        151,936 rows vs 151,665 tokens) are never sampled and log-probs are renormalised over the rest.
+        unstack: decode from a per-layer copy of the decoder weights (model.unstack_layers, refreshed on
+        every `params` update; one extra copy of the layer weights in memory) instead of slicing the
+        stacked weights inside the layer loop, which XLA CPU materialises as a copy of every weight
+        matrix per decode step. Default (None): on when the backend is CPU and there is no mesh."""
         if batch_size <= 0 or max_len <= 0:
             raise ValueError(f"GenerationEngine: batch_size and max_len must be positive, got "
                              f"{batch_size}, {max_len}")
@@ -107,7 +115,11 @@ class GenerationEngine:
             if self.batch_size % self._dp:
                 raise ValueError(f"GenerationEngine: batch_size {batch_size} must be a multiple of the mesh's "
                                  f"data*fsdp size {self._dp}")
+        if unstack is None:
+            unstack = mesh is None and jax.default_backend() == "cpu"
+        self._unstack = bool(unstack)
         self._params = params
+        self._decode_params = self._decode_layout(params)
         self._lengths = np.zeros(self.batch_size, np.int32)
         self._tokens = np.zeros((self.batch_size, self.max_len), np.int32)
         self._has_logits = np.zeros(self.batch_size, bool)
@@ -124,6 +136,9 @@ class GenerationEngine:
         spec = logical_to_spec(logical_axes, mesh=self.mesh)
         return jax.device_put(x, jax.sharding.NamedSharding(self.mesh, spec))
 
+    def _decode_layout(self, params):
+        return _unstack_jit(params) if self._unstack else params
+
     @property
     def params(self):
         return self._params
@@ -136,6 +151,7 @@ class GenerationEngine:
         if jax.tree_util.tree_structure(new_params) != old:
             raise ValueError("GenerationEngine.params: new params have a different tree structure")
         self._params = new_params
+        self._decode_params = self._decode_layout(new_params)
 
     def block_until_ready(self) -> None:
         """Wait for queued device work (for timing; the engine itself never needs it)."""
@@ -293,7 +309,7 @@ class GenerationEngine:
             window = min(_window_at_least(int(self._lengths[live].max()) + self.decode_chunk, self.min_window),
                          self.max_len)
             out = kernels.decode_chunk(
-                self._params, self._k, self._v, _dev(self._lengths), self._last_logits,
+                self._decode_params, self._k, self._v, _dev(self._lengths), self._last_logits,
                 _dev(active), _dev(remaining), jnp.asarray(recent),
                 jax.random.fold_in(rng, chunk_i), jnp.float32(temperature), jnp.float32(top_p),
                 greedy=greedy, cfg=self.cfg, steps=self.decode_chunk, window=window,
