@@ -67,7 +67,8 @@ def _window_at_least(n: int, lo: int) -> int:
     return 3 * p // 4 if p >= 4 and 3 * p // 4 >= n else p
 
 
-_unstack_jit = jax.jit(unstack_layers)
+_unstack_jit = jax.jit(unstack_layers, static_argnames=("transpose",))
+DECODE_LAYOUTS = ("stacked", "layers", "out_in")
 
 
 class GenerationEngine:
@@ -76,7 +77,7 @@ class GenerationEngine:
                  detokenize: Callable[[list[int]], str] | None = None, decode_chunk: int = 16, mesh=None,
                  stop_token_seqs: Sequence[Sequence[int]] = (), prefill_chunk: int = 512,
                  min_window: int = 64, vocab_limit: int | None = None, stop_blocks: bool = True,
-                 unstack: bool | None = None):
+                 decode_layout: str | None = None):
         """stop_token_seqs: optional token spellings of the stop strings for in-jit early stop (see
         stops.stop_token_sequences); the host check on detokenized text runs regardless when
         `detokenize` is given. stop_blocks (needs `detokenize`): a closing-tag stop string `</X>` ends the
@@ -85,10 +86,12 @@ class GenerationEngine:
         prefill_chunk: largest append chunk (power of two). vocab_limit: the
         tokenizer's vocabulary size; ids at or above it (padding rows of the embedding, e.g. Qwen2.5's
         151,936 rows vs 151,665 tokens) are never sampled and log-probs are renormalised over the rest.
-        unstack: decode from a per-layer copy of the decoder weights (model.unstack_layers, refreshed on
-        every `params` update; one extra copy of the layer weights in memory) instead of slicing the
-        stacked weights inside the layer loop, which XLA CPU materialises as a copy of every weight
-        matrix per decode step. Default (None): on when the backend is CPU and there is no mesh."""
+        decode_layout: the weights decode reads. "stacked": the params as given (the layer loop slices
+        each layer out of the stacked weights, which XLA CPU materialises as a copy of every weight matrix
+        per decode step); "layers": a per-layer copy (model.unstack_layers, refreshed on every `params`
+        update; one extra copy of the layer weights in memory); "out_in": per-layer and stored [out, in]
+        (the faster matmul layout for decode on CPU). Default (None): "out_in" when the backend is CPU
+        and there is no mesh, else "stacked". Prefill always reads the stacked params."""
         if batch_size <= 0 or max_len <= 0:
             raise ValueError(f"GenerationEngine: batch_size and max_len must be positive, got "
                              f"{batch_size}, {max_len}")
@@ -115,9 +118,11 @@ class GenerationEngine:
             if self.batch_size % self._dp:
                 raise ValueError(f"GenerationEngine: batch_size {batch_size} must be a multiple of the mesh's "
                                  f"data*fsdp size {self._dp}")
-        if unstack is None:
-            unstack = mesh is None and jax.default_backend() == "cpu"
-        self._unstack = bool(unstack)
+        if decode_layout is None:
+            decode_layout = "out_in" if mesh is None and jax.default_backend() == "cpu" else "stacked"
+        if decode_layout not in DECODE_LAYOUTS:
+            raise ValueError(f"GenerationEngine: decode_layout must be one of {DECODE_LAYOUTS}, got {decode_layout!r}")
+        self.decode_layout = decode_layout
         self._params = params
         self._decode_params = self._decode_layout(params)
         self._lengths = np.zeros(self.batch_size, np.int32)
@@ -137,7 +142,9 @@ class GenerationEngine:
         return jax.device_put(x, jax.sharding.NamedSharding(self.mesh, spec))
 
     def _decode_layout(self, params):
-        return _unstack_jit(params) if self._unstack else params
+        if self.decode_layout == "stacked":
+            return params
+        return _unstack_jit(params, transpose=self.decode_layout == "out_in")
 
     @property
     def params(self):

@@ -86,19 +86,23 @@ def test_sample_tokens_top_p_full_vocab_stays_in_nucleus_with_exact_q():
         np.testing.assert_allclose(lp[b], zz[tok[b]] - zz.max() - np.log(np.exp(zz - zz.max()).sum()), atol=1e-4)
 
 
-def test_unstacked_decode_gives_identical_tokens_and_logprobs():
+def test_decode_layouts_give_identical_tokens_and_logprobs():
     cfg = Qwen2Config.from_preset("tiny")
     params = init_params(cfg, jax.random.PRNGKey(0), std=0.2)
     prompts = [[5, 17, 300, 42, 9], [400, 3], [11, 12, 13], [7]]
     outs = {}
-    for unstack in (False, True):
-        eng = GenerationEngine(params, cfg, 4, 96, eos_ids=(), stop_strings=(), decode_chunk=8, unstack=unstack)
+    layouts = ("stacked", "layers", "out_in")
+    for layout in layouts:
+        eng = GenerationEngine(params, cfg, 4, 96, eos_ids=(), stop_strings=(), decode_chunk=8, decode_layout=layout)
         eng.append(range(4), prompts)
         greedy = eng.generate(range(4), 20, jax.random.PRNGKey(0), greedy=True)
         eng.reset()
         eng.append(range(4), prompts)
         sampled = eng.generate(range(4), 20, jax.random.PRNGKey(1), temperature=0.8, top_p=0.9)
-        outs[unstack] = (greedy, sampled)
-    for a, b in zip(outs[False][0] + outs[False][1], outs[True][0] + outs[True][1]):
-        assert a.tokens == b.tokens
-        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+        outs[layout] = greedy + sampled
+    for layout in layouts[1:]:
+        for a, b in zip(outs["stacked"], outs[layout]):
+            assert a.tokens == b.tokens, layout
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    with pytest.raises(ValueError, match="decode_layout"):
+        GenerationEngine(params, cfg, 4, 96, decode_layout="columns")
