@@ -14,8 +14,9 @@ with bytes = every weight read once (decoder layers, the tied embedding / LM hea
 untied) + the K/V of the live context (prompt + new/2 slots per row, all layers), and FLOPs = B x (dense
 matmuls + LM head) + attention over that context (rexrag_jax/models/qwen2/flops.py). Prints
 `decode: X% of roofline, Y× transformers` (X = t_roof / our step, Y = their step / ours). With
-`--compare-stacked` the previous layout (stacked weights sliced inside the layer loop) and per-layer
-[in, out] weights are timed too, with the share of rows whose greedy tokens are identical to ours. Then prefill tokens and wall time of copy_prefix vs re-prefilling a
+`--compare-stacked` the engine's other decode layouts (GenerationEngine.decode_layout: "stacked", the
+previous one, weights sliced inside the layer loop; "layers"; "out_in") are timed too, with the share of
+rows whose greedy tokens are identical to ours. Then prefill tokens and wall time of copy_prefix vs re-prefilling a
 1k-token prefix (target >= 5x; `--prefix 0` skips it).
 
   python benchmarks/generation.py [--preset small] [--batch 16] [--new 128] [--prompt 32] [--repeats 3]
@@ -137,8 +138,8 @@ def main(argv=None):
     rows = list(range(args.batch))
     engines = {"ours": GenerationEngine(params, cfg, args.batch, args.max_len, eos_ids=(), stop_strings=(),
                                         decode_chunk=args.decode_chunk)}
-    if args.compare_stacked:  # the previous decode layout, and per-layer weights kept [in, out]
-        for layout in ("stacked", "layers"):
+    if args.compare_stacked:  # the previous decode layout and the other per-layer layout
+        for layout in ("stacked", "layers", "out_in"):
             if layout != engines["ours"].decode_layout:
                 engines[layout] = GenerationEngine(params, cfg, args.batch, args.max_len, eos_ids=(), stop_strings=(),
                                                    decode_chunk=args.decode_chunk, decode_layout=layout)
