@@ -8,7 +8,10 @@
 `--gin_file rexrag.gin` works too; gin files may `include` each other the same way). The run directory
 gets config.gin (all bindings, written before training) and operative_config.gin (the values actually
 used, written once the trainer is built); both also go to TensorBoard as text. Re-running the same
-command resumes from the latest checkpoint in <run_dir>/checkpoints.
+command resumes from the latest checkpoint in <run_dir>/checkpoints. The run dir's run.json
+(rexrag_jax.io.run_dir) records the resolved bindings and whether the run finished: a finished run, or an
+unfinished one with other bindings, is refused (one line, exit 2) unless --overwrite, which replaces the
+run dir whole (old checkpoints, events and metrics.jsonl are never mixed with the new run's).
 
 --run_dir may be a gs:// URL (the TPU launch scripts pass one): every file of the run then goes to the
 bucket through rexrag_jax.io.paths, and nothing is written locally but temp files. A malformed URL, a
@@ -32,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--gin_file", action="append", default=[], help="gin file (repeatable)")
     ap.add_argument("--gin_bindings", action="append", default=[], help="gin binding (repeatable)")
     ap.add_argument("--run_dir", required=True, help="checkpoints, TensorBoard logs, metrics.jsonl, configs")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace a finished run, or an unfinished one with other bindings, in --run_dir "
+                         "(default: off; such run dirs are refused and a compatible unfinished run resumes)")
     return ap
 
 
@@ -81,17 +87,45 @@ def main(argv=None) -> int:
         print(f"rexrag train: required gin macro(s) not set: {', '.join(missing)}; set them in a gin file or "
               f"with --gin_bindings 'NAME = value' (see the header of {args.gin_file[0]})", file=sys.stderr)
         return 2
-    write_text_atomic(paths.join(args.run_dir, "config.gin"), gin.config_str())
+    from rexrag_jax.io import run_dir as run_dirs
+
+    config_text = gin.config_str()
+    try:
+        run = run_dirs.prepare(args.run_dir, "train", run_dirs.gin_bindings(config_text), overwrite=args.overwrite,
+                               prog="rexrag train", legacy_files=LEGACY_FILES, legacy_config=_legacy_config)
+    except (run_dirs.RunDirError, paths.RemotePathError) as e:
+        print(f"rexrag train: {e}", file=sys.stderr)
+        return 2
+    run.save_configs(config_text)
     from rexrag_jax.config.errors import StartupInputError
 
     try:
         trainer = run_type()(args.run_dir)
     except StartupInputError as e:  # bad input found while the trainer is built (e.g. a RAPO trace buffer)
+        run.abandon()  # a fresh run dir goes again: the corrected command starts clean, not "incompatible"
         print(f"rexrag train: {str(e).splitlines()[0]}", file=sys.stderr)  # gin appends "In call to ..."
         return 2
+    except BaseException:
+        run.abandon()
+        raise
     operative = gin.operative_config_str()
-    write_text_atomic(paths.join(args.run_dir, "operative_config.gin"), operative)
-    return trainer.run(config_text=operative)
+    run.save_configs(operative_text=operative)  # TensorBoard text: Trainer.run (at the resumed step)
+    rc = trainer.run(config_text=operative)
+    if rc == 0 and trainer.step >= trainer.cfg.total_steps:  # not a SIGTERM exit: the run is complete
+        run.mark_finished(step=int(trainer.step))
+    return rc
+
+
+# Files of a `rexrag train` run dir written before run.json existed: such a dir resumes when its config.gin
+# holds the same bindings, else it is refused unless --overwrite.
+LEGACY_FILES = ("config.gin", "operative_config.gin", "checkpoints", "metrics.jsonl", "tensorboard")
+
+
+def _legacy_config(run_dir: str):
+    from rexrag_jax.io import paths, run_dir as run_dirs
+
+    path = paths.join(run_dir, "config.gin")
+    return run_dirs.gin_bindings(paths.read_text(path)) if paths.isfile(path) else None
 
 
 if __name__ == "__main__":
