@@ -5,7 +5,11 @@
     rexrag merge-index --parts idx.part0 idx.part1 --index_dir idx --gin_file gin/retriever/e5_scann.gin
     rexrag serve-retriever --index_dir idx --port 8000
 
-`--corpus` / `--index_dir` are shorthands for those bindings. The resolved config is saved as
+`--corpus` / `--index_dir` are shorthands for those bindings. An interrupted build-index resumes (same
+corpus, encoder and shard size); a finished index at --index_dir, or an interrupted build with other
+settings, is refused (one line, exit 2) unless --overwrite, which builds from scratch and swaps the new
+index in whole. merge-index refuses a finished output the same way (an interrupted merge starts over:
+it is a copy). A non-empty directory that is not an index is never replaced. The resolved config is saved as
 `index_dir/config.gin`; serve-retriever reads it first (so the query encoder matches the index),
 then the given gin files and bindings.
 
@@ -23,7 +27,7 @@ import sys
 import gin
 
 from rexrag_jax.io import paths
-from rexrag_jax.retrieval.index import Index, build_index, local_dir_of
+from rexrag_jax.retrieval.index import Index, IndexExistsError, build_index, check_output_dir, local_dir_of
 from rexrag_jax.retrieval.retriever import LocalRetriever
 from rexrag_jax.retrieval.server import ServerLimits, serve
 
@@ -76,13 +80,14 @@ def _gin_str(s: str) -> str:
 
 
 def _remote_errors_exit_2(prog: str):
-    """RemotePathError (bad URL, missing bucket, unreachable storage) -> `prog: message` on stderr, exit 2."""
+    """RemotePathError (bad URL, missing bucket, unreachable storage) and IndexExistsError (a finished or
+    stale output without --overwrite) -> `prog: message` on stderr, exit 2."""
     def wrap(fn):
         @functools.wraps(fn)
         def inner(argv=None) -> int:
             try:
                 return fn(argv)
-            except paths.RemotePathError as e:
+            except (paths.RemotePathError, IndexExistsError) as e:
                 print(f"{prog}: {e}", file=sys.stderr)
                 return 2
         return inner
@@ -101,6 +106,8 @@ def build_index_main(argv=None) -> int:
     a = _parse(argv, "rexrag build-index", [
         (("--corpus",), dict(help="corpus jsonl/json (= retrieval.build.corpus_path)")),
         (("--index_dir",), dict(help="output index directory (= retrieval.build.index_dir)")),
+        (("--overwrite",), dict(action="store_true", help="replace a finished index at --index_dir (default: off, "
+                                                          "refused); build-index also discards a partial build")),
         (("--quiet",), dict(action="store_true"))])
     bindings = list(a.gin_bindings)
     if a.corpus:
@@ -110,9 +117,11 @@ def build_index_main(argv=None) -> int:
     gin.parse_config_files_and_bindings(a.gin_file, bindings)
     settings = build_settings()
     _check_remote(settings["index_dir"], settings["corpus_path"])  # cheap errors before the encoder loads
+    check_output_dir(settings["index_dir"], a.overwrite)
     encoder = make_encoder()
     config = gin.config_str()
-    index_dir = build_index(encoder=encoder, progress=not a.quiet, extra_files={"config.gin": config}, **settings)
+    index_dir = build_index(encoder=encoder, progress=not a.quiet, extra_files={"config.gin": config},
+                            partial="discard" if a.overwrite else "strict", **settings)
     m = Index.load(index_dir).manifest
     print(f"index written to {index_dir}: {m['count']} passages x {m['dim']} ({m['searcher']}), encoder {m['encoder']['name']}")
     return 0
@@ -130,6 +139,8 @@ def merge_index_main(argv=None) -> int:
         (("--index_dir",), dict(required=True, help="output index directory")),
         (("--corpus_parts",), dict(nargs="+", default=None,
                                    help="part corpus files, if they moved since the parts were built")),
+        (("--overwrite",), dict(action="store_true", help="replace a finished index at --index_dir (default: off, "
+                                                          "refused); build-index also discards a partial build")),
         (("--quiet",), dict(action="store_true"))])
     gin.parse_config_files_and_bindings(a.gin_file, a.gin_bindings)
 
@@ -140,6 +151,7 @@ def merge_index_main(argv=None) -> int:
             return default
 
     _check_remote(a.index_dir, *a.parts, *(a.corpus_parts or []))
+    check_output_dir(a.index_dir, a.overwrite)
     cfg_path = paths.join(a.parts[0], "config.gin")
     extra = {}
     if paths.isfile(cfg_path):

@@ -11,7 +11,12 @@ config.gin         resolved gin config (written by the CLI)
 Crash safety: everything is built in `index_dir + ".partial"`. Embeddings are encoded shard by shard
 into the memmap; after each shard is flushed `build_state.json` records it, so a rerun with the same
 corpus/encoder/shard size resumes at the first unfinished shard. Only a complete build is swapped in
-(rename), so an existing good index is never clobbered by a failed build.
+(rename), so an existing good index is never clobbered by a failed build. `partial` says what happens to
+a partial build: "resume" (library default: resume a compatible one, discard a stale one), "strict"
+(`rexrag build-index`: resume a compatible one, refuse a stale one with IndexExistsError naming
+--overwrite) or "discard" (--overwrite: always start over). `check_output_dir` is the CLIs' check of the
+output before anything loads: a finished index there is refused unless --overwrite, a non-empty
+directory that is not an index always.
 
 `index_dir` may be a gs:// URL (through rexrag_jax.io.paths). ScaNN and the memmaps need local files, so a
 remote index is built in its local cache dir (`paths.local_cache_dir(url)`: $REXRAG_REMOTE_CACHE, else
@@ -47,6 +52,33 @@ class IndexLoadError(ValueError):
     """An index directory that is missing, incomplete, or does not match what the caller expects."""
 
 
+class IndexExistsError(ValueError):
+    """The output of build-index / merge-index holds a finished index or a stale partial build (one line,
+    naming --overwrite), or is a directory that is not an index."""
+
+
+def check_output_dir(index_dir: str, overwrite: bool) -> None:
+    """Raises IndexExistsError unless `index_dir` may be (re)written: missing or empty, or a finished index
+    with `overwrite`. A local non-empty directory without manifest.json is never replaced (it is not an
+    index: the build swaps whole indexes in by rename); a remote prefix without one (an upload that stopped
+    part way) only with `overwrite`."""
+    index_dir = normalize_dir(index_dir)
+    mpath = paths.join(index_dir, MANIFEST)
+    if paths.isfile(mpath):
+        if not overwrite:
+            raise IndexExistsError(f"{index_dir}: a finished index is already there ({MANIFEST}); pass --overwrite "
+                                   "to rebuild it, or pick another --index_dir")
+        return
+    names = paths.listdir(index_dir) if paths.is_remote(index_dir) or os.path.isdir(index_dir) else []
+    if not paths.is_remote(index_dir) and os.path.exists(index_dir) and not os.path.isdir(index_dir):
+        raise IndexExistsError(f"{index_dir}: exists and is not a directory; pass another --index_dir")
+    if names and (not paths.is_remote(index_dir) or not overwrite):
+        hint = ("pass a new or empty --index_dir" if not paths.is_remote(index_dir) else
+                "pass --overwrite to replace what is there (an upload that stopped part way?)")
+        raise IndexExistsError(f"{index_dir}: not empty and not an index ({MANIFEST} missing; holds "
+                               f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}); {hint}")
+
+
 def _write_json(path: str, obj) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -72,8 +104,9 @@ def choose_searcher(count: int, searcher: str, exact_max_rows: int) -> str:
 
 def build_index(corpus_path: str, index_dir: str, encoder, *, searcher: str = "auto",
                 exact_max_rows: int = 100_000, shard_size: int = 65_536, scann_params: dict | None = None,
-                extra_files: dict[str, str] | None = None, progress: bool = True) -> str:
+                extra_files: dict[str, str] | None = None, progress: bool = True, partial: str = "resume") -> str:
     """Encode `corpus_path` with `encoder` and write a complete index to `index_dir`; returns index_dir.
+    `partial`: "resume" / "strict" / "discard", what to do with a partial build (module docstring).
 
     `extra_files` ({name: text}) are written into the index (e.g. the resolved gin config). `corpus_path`
     and `index_dir` may be gs:// URLs (a remote index is built in its local cache dir, then uploaded).
@@ -81,7 +114,8 @@ def build_index(corpus_path: str, index_dir: str, encoder, *, searcher: str = "a
     corpus_path = paths.as_str(corpus_path)
     with staged_output(index_dir) as (index_dir, local_dir):
         _build_local(corpus_path, local_dir, encoder, searcher=searcher, exact_max_rows=exact_max_rows,
-                     shard_size=shard_size, scann_params=scann_params, extra_files=extra_files, progress=progress)
+                     shard_size=shard_size, scann_params=scann_params, extra_files=extra_files, progress=progress,
+                     partial=partial)
     return index_dir
 
 
@@ -150,12 +184,23 @@ def local_dir_of(index_dir: str) -> str:
 
 
 def _build_local(corpus_path: str, index_dir: str, encoder, *, searcher: str, exact_max_rows: int, shard_size: int,
-                 scann_params: dict | None, extra_files: dict[str, str] | None, progress: bool) -> str:
+                 scann_params: dict | None, extra_files: dict[str, str] | None, progress: bool,
+                 partial: str = "resume") -> str:
+    if partial not in ("resume", "strict", "discard"):
+        raise ValueError(f"partial must be 'resume', 'strict' or 'discard', got {partial!r}")
     work = index_dir + ".partial"
     desc = encoder.describe()
     sha = file_sha256(corpus_path)
     key = {"corpus_sha256": sha, "encoder": desc, "shard_size": shard_size, "format": FORMAT_VERSION}
     state = _read_json(os.path.join(work, STATE)) if os.path.isfile(os.path.join(work, STATE)) else None
+    if partial == "strict" and os.path.exists(work) and (state is None or state.get("key") != key):
+        old = (state or {}).get("key") or {}
+        differs = [k for k in key if old.get(k) != key[k]] or ["build_state.json missing"]
+        raise IndexExistsError(f"{work}: an unfinished build with other settings ({', '.join(differs)} differ); "
+                               "pass --overwrite to discard it and start over, or rerun with its settings to resume")
+    if partial == "discard" and os.path.exists(work):
+        shutil.rmtree(work)
+        state = None
     if state is None or state.get("key") != key:
         if os.path.exists(work):
             shutil.rmtree(work)  # a stale partial build for another corpus/encoder: start over
