@@ -6,8 +6,11 @@
     rexrag eval --data nq_test_1k.jsonl hotpotqa_dev_500.jsonl --checkpoint CKPT
                 (--retriever-url URL | --corpus CORPUS.jsonl [--index-dir DIR])
                 [--limit 100] [--batch-size 64] [--out trajectories.jsonl]
-CKPT: an HF-format Qwen2 dir (config.json + safetensors + tokenizer) or a `rexrag train` run dir (latest
-orbax checkpoint; model and tokenizer from its operative_config.gin). Decoding is greedy, without probes.
+CKPT: an HF-format Qwen2 dir (config.json + safetensors + tokenizer), a `rexrag train` run dir or a
+`rexrag demo` run dir (its rl/): latest orbax checkpoint, model and tokenizer from the run's policy.json
+(else its operative_config.gin). Rollout settings (--topk, --max-turns, --max-new-tokens, --max-context)
+default to the values the run trained with, else the paper's 3 / 5 / 500 / 4096; a context beyond the
+model's max_position_embeddings is refused. Decoding is greedy, without probes.
 Prints the EM table (nq triviaqa popqa hotpotqa 2wiki musique bamboogle avg).
 """
 from __future__ import annotations
@@ -46,12 +49,15 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("--corpus", help="corpus jsonl for the in-process MiniLM retriever (instead of --retriever-url)")
     model.add_argument("--index-dir", "--index_dir", dest="index_dir",
                        help="index cache for --corpus (default: ~/.cache/rexrag_jax/eval_index/<corpus>)")
-    model.add_argument("--topk", type=int, default=3)
-    model.add_argument("--max-turns", "--max_turns", dest="max_turns", type=int, default=5)
-    model.add_argument("--max-new-tokens", "--max_new_tokens", dest="max_new_tokens", type=int, default=500,
-                       help="tokens per turn")
-    model.add_argument("--max-context", "--max_context", dest="max_context", type=int, default=4096,
-                       help="rolling context (left-truncated beyond)")
+    run = " (default: the value a run dir trained with, else %s)"
+    model.add_argument("--topk", type=int, default=None, help="passages per search" + run % 3)
+    model.add_argument("--max-turns", "--max_turns", dest="max_turns", type=int, default=None,
+                       help="search-enabled turns" + run % 5)
+    model.add_argument("--max-new-tokens", "--max_new_tokens", dest="max_new_tokens", type=int, default=None,
+                       help="tokens per turn" + run % 500)
+    model.add_argument("--max-context", "--max_context", dest="max_context", type=int, default=None,
+                       help="rolling context, left-truncated beyond; with --max-new-tokens at most the model's "
+                            "max_position_embeddings" + run % 4096)
     return p
 
 
@@ -99,6 +105,9 @@ def main(argv=None) -> int:
                 max_turns=args.max_turns, corpus=args.corpus, index_dir=args.index_dir,
                 batch_size=min(args.batch_size, max(1, len(examples))), max_new_tokens=args.max_new_tokens,
                 max_context=args.max_context, progress=not args.no_progress)
+            if getattr(generate_fn, "settings", None):  # value (flag / run / default) per rollout setting
+                print("rollout settings: " + ", ".join(f"{k} {v} ({generate_fn.settings_source[k]})"
+                                                       for k, v in generate_fn.settings.items()), file=sys.stderr)
             records, summary = evaluate(examples, generate_fn, batch_size=args.batch_size, out_path=args.out,
                                         progress=not args.no_progress, raw_fallback=args.raw_fallback)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:

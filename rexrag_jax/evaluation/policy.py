@@ -37,6 +37,75 @@ def is_run_dir(path: str) -> bool:
     return any(d.isdigit() for d in paths.listdir(paths.join(path, "checkpoints")))
 
 
+def trainer_run_dir(path: str) -> str | None:
+    """The trainer run dir `path` names: itself (`rexrag train --run_dir`, the demo's RUN/rl), or RUN/rl for a
+    `rexrag demo` run dir; None for anything else (an HF export)."""
+    from rexrag_jax.io import paths
+
+    if is_run_dir(path):
+        return path
+    rl = paths.join(path, "rl")
+    return rl if is_run_dir(rl) else None
+
+
+def read_policy_record(run_dir: str) -> dict | None:
+    """<run_dir>/policy.json (written by the Trainer: model config, tokenizer, rollout settings), or None."""
+    from rexrag_jax.io import paths
+
+    path = paths.join(run_dir, "policy.json")
+    if not paths.isfile(path):
+        return None
+    rec = paths.read_json(path)
+    if not isinstance(rec, dict) or "model_config" not in rec:
+        raise ValueError(f"{path}: expected a policy record with model_config (written by the Trainer)")
+    return rec
+
+
+# `rexrag eval` rollout settings: an explicit flag wins, then the run's training value, then these (the
+# paper's evaluation: 500 tokens/turn, 4096 context, top-3, 5 search turns).
+ROLLOUT_DEFAULTS = {"topk": 3, "max_turns": 5, "max_new_tokens": 500, "max_context": 4096, "max_obs_tokens": 500}
+
+
+def run_rollout_settings(run_dir: str | None) -> dict:
+    """The rollout settings a trainer run dir trained with (ROLLOUT_DEFAULTS keys): policy.json's rollout,
+    else the RolloutConfig bound in the gin config parsed from the run (load_run_policy); {} when none."""
+    if run_dir is None:
+        return {}
+    rec = read_policy_record(run_dir)
+    if rec is not None and rec.get("rollout"):
+        return {k: rec["rollout"][k] for k in ROLLOUT_DEFAULTS if k in rec["rollout"]}
+    import gin
+
+    out = {}
+    for k in ROLLOUT_DEFAULTS:
+        try:
+            out[k] = gin.query_parameter(f"RolloutConfig.{k}")
+        except (ValueError, KeyError):
+            continue
+    return {k: v for k, v in out.items() if isinstance(v, int)}
+
+
+def resolve_rollout_settings(explicit: dict, trained: dict) -> tuple[dict, dict]:
+    """(settings, source per key: "flag" / "run" / "default") for the ROLLOUT_DEFAULTS keys."""
+    settings, source = {}, {}
+    for k, default in ROLLOUT_DEFAULTS.items():
+        if explicit.get(k) is not None:
+            settings[k], source[k] = int(explicit[k]), "flag"
+        elif k in trained:
+            settings[k], source[k] = int(trained[k]), "run"
+        else:
+            settings[k], source[k] = default, "default"
+    return settings, source
+
+
+def check_model_limits(cfg, max_context: int, max_new_tokens: int, checkpoint: str) -> None:
+    """ValueError (one line) when a rollout would use positions beyond the model's max_position_embeddings."""
+    need = int(max_context) + int(max_new_tokens)
+    if need > cfg.max_position_embeddings:
+        raise ValueError(f"--max-context {max_context} + --max-new-tokens {max_new_tokens} = {need} positions, beyond "
+                         f"the model's max_position_embeddings {cfg.max_position_embeddings} ({checkpoint}); lower them")
+
+
 def restrict_vocab(params: dict, cfg, vocab_size: int):
     """(params, cfg) with the vocabulary cut to the first `vocab_size` ids (see the module docstring).
 
@@ -110,9 +179,18 @@ def load_run_policy(run_dir: str, gin_files: Sequence[str] = (), gin_params: Seq
     from rexrag_jax.train.checkpoint import Checkpointer
     from rexrag_jax.train.optim import OptimizerConfig
 
-    _run_config(run_dir, gin_files, gin_params)
-    cfg = model_config()
     from rexrag_jax.io import paths
+    from rexrag_jax.models.qwen2.config import Qwen2Config
+
+    rec = None if gin_files else read_policy_record(run_dir)
+    if rec is not None:  # the Trainer's record: no gin needed (the demo's rl/ has none)
+        from rexrag_jax.config import parse_gin
+
+        parse_gin([], list(gin_params))
+        cfg = Qwen2Config(**rec["model_config"])
+    else:
+        _run_config(run_dir, gin_files, gin_params)
+        cfg = model_config()
 
     ckpt = Checkpointer(paths.join(run_dir, "checkpoints"))  # a local path or gs:// (orbax reads either)
     try:
@@ -124,7 +202,7 @@ def load_run_policy(run_dir: str, gin_files: Sequence[str] = (), gin_params: Seq
         state, _ = ckpt.restore(step, like)
     finally:
         ckpt.close()
-    tok = _gin_value("SearchRollout.tokenizer_path", "%TOKENIZER")
+    tok = rec.get("tokenizer") if rec is not None else _gin_value("SearchRollout.tokenizer_path", "%TOKENIZER")
     return cfg, state["params"], tok, step
 
 
@@ -140,13 +218,14 @@ def load_policy(checkpoint: str, tokenizer: str | None = None, gin_files: Sequen
         raise ValueError("model evaluation needs --checkpoint (an HF-format Qwen2 dir or a `rexrag train` run dir)")
     if paths.is_remote(checkpoint):  # a gs:// run dir (bucket checked: one-line RemotePathError)
         paths.check_remote_dir(checkpoint)
-        if not is_run_dir(checkpoint):
+        if trainer_run_dir(checkpoint) is None:
             raise FileNotFoundError(f"{checkpoint}: no checkpoints/<step>/ there (a gs:// --checkpoint must be a "
                                     "`rexrag train` run dir; copy an HF export to local disk)")
     elif not os.path.isdir(checkpoint):
         raise FileNotFoundError(f"checkpoint directory not found: {checkpoint}")
-    if is_run_dir(checkpoint):
-        cfg, params, run_tok, step = load_run_policy(checkpoint, gin_files, gin_params)
+    run_dir = trainer_run_dir(checkpoint)
+    if run_dir is not None:
+        cfg, params, run_tok, step = load_run_policy(run_dir, gin_files, gin_params)
         tokenizer = tokenizer or run_tok
         if not tokenizer:
             raise ValueError(f"{checkpoint}: the run's gin binds no tokenizer (SearchRollout.tokenizer_path / "
@@ -185,12 +264,18 @@ def make_retriever(retriever_url: str | None = None, corpus: str | None = None, 
 
 
 def make_eval_generate_fn(checkpoint: str, tokenizer: str | None = None, gin_files: Sequence[str] = (),
-                          gin_params: Sequence[str] = (), retriever_url: str | None = None, topk: int = 3,
-                          max_turns: int = 5, corpus: str | None = None, index_dir: str | None = None,
-                          batch_size: int = 64, max_new_tokens: int = 500, max_context: int = 4096,
-                          max_obs_tokens: int = 500, progress: bool = True, retriever=None):
-    """generate_fn(list[QAExample]) -> list[str]: greedy, probe-free rollouts (SPEC §1 loop; defaults are
-    the paper's 500 tokens/turn, 4096 context, top-3, 5 search turns + 1 final turn).
+                          gin_params: Sequence[str] = (), retriever_url: str | None = None,
+                          topk: int | None = None, max_turns: int | None = None, corpus: str | None = None,
+                          index_dir: str | None = None, batch_size: int = 64, max_new_tokens: int | None = None,
+                          max_context: int | None = None, max_obs_tokens: int | None = None, progress: bool = True,
+                          retriever=None):
+    """generate_fn(list[QAExample]) -> list[str]: greedy, probe-free rollouts (SPEC §1 loop).
+
+    Rollout settings (topk, max_turns, max_new_tokens, max_context, max_obs_tokens): a value given here wins;
+    None takes the value a trainer run dir (or a demo run dir's rl/) trained with (its policy.json, else its
+    gin RolloutConfig), else the paper's (ROLLOUT_DEFAULTS: 500 tokens/turn, 4096 context, top-3, 5 search
+    turns + 1 final turn). max_context + max_new_tokens beyond the model's max_position_embeddings is refused.
+    `generate_fn.settings` / `.settings_source` record what was used.
 
     The engine holds `batch_size` rows; larger lists are run in chunks of batch_size. `retriever` (any
     `.search(queries, topk)` object) overrides retriever_url/corpus.
@@ -205,8 +290,12 @@ def make_eval_generate_fn(checkpoint: str, tokenizer: str | None = None, gin_fil
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     retriever = retriever or make_retriever(retriever_url, corpus, index_dir, progress)  # cheap errors first
     cfg, params, tok = load_policy(checkpoint, tokenizer, gin_files, gin_params, progress)
-    rcfg = RolloutConfig(max_turns=max_turns, max_new_tokens=max_new_tokens, max_obs_tokens=max_obs_tokens,
-                         max_context=max_context, topk=topk, greedy=True, probes=False)
+    explicit = dict(topk=topk, max_turns=max_turns, max_new_tokens=max_new_tokens, max_context=max_context,
+                    max_obs_tokens=max_obs_tokens)
+    settings, source = resolve_rollout_settings(explicit, run_rollout_settings(trainer_run_dir(checkpoint)))
+    check_model_limits(cfg, settings["max_context"], settings["max_new_tokens"], checkpoint)
+    max_context, max_new_tokens = settings["max_context"], settings["max_new_tokens"]
+    rcfg = RolloutConfig(greedy=True, probes=False, **settings)
     engine = GenerationEngine(params, cfg, batch_size=batch_size, max_len=max_context + max_new_tokens,
                               pad_id=tok.pad_id, eos_ids=tok.eos_ids, detokenize=tok.decode)
 
@@ -220,4 +309,5 @@ def make_eval_generate_fn(checkpoint: str, tokenizer: str | None = None, gin_fil
         return out
 
     generate_fn.engine, generate_fn.tokenizer, generate_fn.model_cfg = engine, tok, cfg
+    generate_fn.settings, generate_fn.settings_source = settings, source
     return generate_fn

@@ -5,6 +5,7 @@ Every command that writes a run dir (`rexrag train`, `rexrag demo`) opens it wit
     run = run_dir.prepare(args.run_dir, "train", config, overwrite=args.overwrite, prog="rexrag train")
     ...                                   # the command writes its files
     run.save_configs(config_text, operative_text, logger)   # config.gin, operative_config.gin, TensorBoard text
+    run.save_gin()                        # the same from the current gin state (no logger needed)
     run.mark_finished(step=...)           # only when the command completed its work
 
 `<run_dir>/run.json` is the run manifest, written atomically (rexrag_jax.io.paths.write_json_atomic):
@@ -134,6 +135,32 @@ class RunDir:
                 logger.text("gin/operative_config", operative_text, step)
             elif config_text is not None:
                 logger.text("gin/config", config_text, step)
+
+    def save_gin(self, tensorboard: bool = True, step: int = 0) -> None:
+        """save_configs with the current gin state: config.gin = gin.config_str(), operative_config.gin =
+        gin.operative_config_str() (call it after the configurables were built), and, unless tensorboard is
+        False, the operative config as TensorBoard text in <run_dir>/tensorboard (its own event file)."""
+        import tempfile
+
+        import gin
+
+        operative = gin.operative_config_str()
+        self.save_configs(gin.config_str(), operative)
+        if not tensorboard:
+            return
+        from tensorboardX import SummaryWriter
+
+        tmp = tempfile.mkdtemp(prefix="rexrag-run-config-tb-")
+        try:
+            writer = SummaryWriter(tmp)
+            writer.add_text("gin/operative_config", "    " + operative.replace("\n", "\n    "), step)
+            writer.close()
+            if not paths.is_remote(self.path):
+                os.makedirs(os.path.join(self.path, "tensorboard"), exist_ok=True)
+            for name in sorted(os.listdir(tmp)):
+                paths.upload_file(os.path.join(tmp, name), paths.join(self.path, "tensorboard", name))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def abandon(self) -> None:
         """Undo a fresh start that failed before any work (bad input found while the command set up):

@@ -36,6 +36,7 @@ class SearchRollout:
         from rexrag_jax.tokenizers import load_tokenizer
 
         self.tokenizer = load_tokenizer(tokenizer_path)
+        self.tokenizer_path = tokenizer_path  # recorded in the run dir's policy.json (Trainer) for `rexrag eval`
         self.retriever = retriever
         self.config = config if config is not None else RolloutConfig()
         self.decode_chunk = decode_chunk

@@ -166,6 +166,28 @@ def rl_update_math(rewards, correct, group_ids, old_logp, loss_mask, is_probe, p
     return adv.astype(np.float32), behaviour.astype(np.float32), float(alpha), float(err)
 
 
+POLICY_RECORD = "policy.json"
+
+
+def write_policy_record(run_dir: str, model_cfg: Qwen2Config, rollout) -> None:
+    """<run_dir>/policy.json: what `rexrag eval --checkpoint RUN_DIR` needs besides the orbax params, so any
+    run dir a Trainer writes (`rexrag train`, the demo's rl/) evaluates without its gin files and with the
+    rollout settings it trained with: {"format": 1, "model_config": Qwen2Config fields, "tokenizer": path or
+    None, "rollout": RolloutConfig fields or None}. Written atomically, by process 0 only."""
+    import os
+
+    if jax.process_index() != 0:
+        return
+    tok = getattr(rollout, "tokenizer_path", None)
+    if isinstance(tok, str) and not paths.is_remote(tok) and os.path.exists(tok):
+        tok = os.path.abspath(tok)
+    rcfg = getattr(rollout, "config", None)
+    record = {"format": 1, "model_config": dataclasses.asdict(model_cfg),
+              "tokenizer": tok if isinstance(tok, str) else None,
+              "rollout": dataclasses.asdict(rcfg) if dataclasses.is_dataclass(rcfg) else None}
+    paths.write_json_atomic(paths.join(run_dir, POLICY_RECORD), record, indent=2, sort_keys=True)
+
+
 def step_seed(seed: int, step: int) -> int:
     """A 31-bit seed for step `step` of run `seed` (independent streams per step)."""
     return int(np.random.SeedSequence([int(seed), int(step)]).generate_state(1)[0] & 0x7FFFFFFF)
@@ -215,6 +237,7 @@ class Trainer:
             raise ValueError(f"Trainer: {len(self.train_examples)} training questions cannot fill one step of "
                              f"TrainConfig.num_questions={self.cfg.num_questions}")
         paths.makedirs(self.run_dir)
+        write_policy_record(self.run_dir, model_cfg, rollout)
         self.logger = MetricsLogger(self.run_dir, use_tensorboard)
         self.terminate = _Terminate()
 

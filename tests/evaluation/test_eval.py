@@ -157,7 +157,8 @@ def test_data_mode_with_stand_in_generate_fn(shared_data, tmp_path, monkeypatch,
     files = [str(shared_data / "benchmarks" / n) for n in ("nq_test_1k.jsonl", "musique_dev_500.jsonl")]
     rc = eval_main.main(["--data", *files, "--limit", "5", "--out", str(out), "--checkpoint", "ck",
                          "--no-progress"])
-    assert rc == 0 and seen["checkpoint"] == "ck" and seen["topk"] == 3
+    # rollout flags not given: None, resolved by make_eval_generate_fn (the run's values, else 3/5/500/4096)
+    assert rc == 0 and seen["checkpoint"] == "ck" and seen["topk"] is None and seen["max_context"] is None
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 10 and all(r["em"] == 1.0 for r in records)
     assert "100.0" in capsys.readouterr().out

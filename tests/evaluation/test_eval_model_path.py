@@ -209,3 +209,69 @@ def test_missing_retriever_is_a_clear_error(world, shared_data, capsys):
     rc = eval_main.main(["--data", str(shared_data / "benchmarks" / "bamboogle_test.jsonl"), "--limit", "1",
                          "--checkpoint", world["model_dir"], "--no-progress"])
     assert rc == 2 and "--retriever-url URL" in capsys.readouterr().err
+
+
+def _scripted_run_dir(world, scripted_model, run_dir, rollout_cfg):
+    """A trainer run dir holding the scripted policy: orbax checkpoint 1 + the Trainer's policy.json (no gin)."""
+    import dataclasses
+    import types
+
+    from rexrag_jax.train.checkpoint import Checkpointer
+    from rexrag_jax.train.optim import OptimizerConfig
+    from rexrag_jax.train.trainer import write_policy_record
+
+    _, query, script = scripted_model
+    params, cfg, _ = _scripted_policy(world["tok"], script)
+    ckpt = Checkpointer(str(run_dir / "checkpoints"))
+    ckpt.save(1, {"params": params, "opt_state": OptimizerConfig().make().init(params)}, {"step": 1})
+    ckpt.close()
+    write_policy_record(str(run_dir), cfg, types.SimpleNamespace(tokenizer_path=world["spm"], config=rollout_cfg))
+    rec = json.loads((run_dir / "policy.json").read_text())
+    assert rec["model_config"] == dataclasses.asdict(cfg) and rec["rollout"]["topk"] == rollout_cfg.topk
+    return query, script
+
+
+def test_eval_of_a_run_dir_takes_the_rollout_settings_it_trained_with(world, scripted_model, shared_data,
+                                                                    tmp_path, capsys):
+    """`rexrag eval --checkpoint RUN` with no rollout flags: top-k 2, 1 turn, 16 tokens, context 1000 and
+    40 observation tokens from the run's policy.json (a demo run dir RUN/rl works the same); an explicit
+    flag still wins."""
+    from rexrag_jax.retrieval import build_default_retriever
+    from rexrag_jax.rollout import RolloutConfig
+
+    demo = tmp_path / "demo"
+    query, script = _scripted_run_dir(world, scripted_model, demo / "rl",
+                                      RolloutConfig(max_turns=1, max_new_tokens=16, max_context=1000, topk=2,
+                                                    max_obs_tokens=40))
+    index_dir = world["tmp"] / "index_settings"
+    out = tmp_path / "traj.jsonl"
+    base = ["--data", str(shared_data / "benchmarks" / FILES[0]), "--limit", "2", "--batch-size", "2",
+            "--corpus", str(world["corpus"]), "--index-dir", str(index_dir), "--no-progress", "--out", str(out)]
+    for ckpt in (demo / "rl", demo):  # the trainer run dir, and the demo run dir above it
+        assert eval_main.main(base + ["--checkpoint", str(ckpt)]) == 0
+        err = capsys.readouterr().err
+        assert ("rollout settings: topk 2 (run), max_turns 1 (run), max_new_tokens 16 (run), max_context 1000 (run), "
+                "max_obs_tokens 40 (run)") in err
+        local = build_default_retriever(str(world["corpus"]), str(index_dir))
+        from rexrag_jax.rollout import format_observation
+        expected = _expected_response(world["tok"], local, query, script, max_obs_tokens=40)
+        assert expected != _expected_response(world["tok"], local, query, script)  # the paper's 500 differ
+        assert all(json.loads(l)["response"] == expected for l in out.read_text().splitlines())
+    assert eval_main.main(base + ["--checkpoint", str(demo), "--max-turns", "2"]) == 0
+    assert "topk 2 (run), max_turns 2 (flag), max_new_tokens 16 (run)" in capsys.readouterr().err
+    two_turns = [json.loads(l)["response"] for l in out.read_text().splitlines()]
+    assert all(r.startswith(expected[:-len(world["tok"].decode(script))]) and r != expected for r in two_turns)
+
+
+def test_context_beyond_the_model_positions_is_refused(world, scripted_model, shared_data, tmp_path, capsys):
+    from rexrag_jax.rollout import RolloutConfig
+
+    run = tmp_path / "run"
+    _scripted_run_dir(world, scripted_model, run, RolloutConfig(max_turns=1, max_new_tokens=16, max_context=1000))
+    rc = eval_main.main(["--data", str(shared_data / "benchmarks" / FILES[0]), "--limit", "1",
+                         "--corpus", str(world["corpus"]), "--index-dir", str(world["tmp"] / "index_settings"),
+                         "--checkpoint", str(run), "--max-context", "4096", "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.count("\n") == 0, err
+    assert "--max-context 4096 + --max-new-tokens 16 = 4112 positions" in err
+    assert "max_position_embeddings 1024" in err

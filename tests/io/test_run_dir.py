@@ -181,3 +181,28 @@ def test_save_configs_writes_files_and_tensorboard_text(tmp_path):
     texts = tb_texts(tmp_path / "tensorboard")
     (tag,) = [t for t in texts if t.startswith("gin/operative_config")]
     assert "DemoConfig.rl_steps = 3" in texts[tag][0][1]
+
+
+def test_save_gin_writes_the_gin_state_and_tensorboard_text(tmp_path):
+    """The demo's path: gin parsed, a configurable built, then one call saves both configs + TB text."""
+    import dataclasses
+
+    import gin
+
+    @gin.configurable
+    @dataclasses.dataclass(frozen=True)
+    class RunDirTestConfig:
+        steps: int = 1
+        lr: float = 0.1
+
+    gin.parse_config("RunDirTestConfig.steps = 7")
+    cfg = RunDirTestConfig()
+    run = R.prepare(str(tmp_path), "demo", {"seed": 0, **dataclasses.asdict(cfg)}, on_unfinished="restart",
+                    **_quiet())
+    run.save_gin()
+    assert "RunDirTestConfig.steps = 7" in (tmp_path / "config.gin").read_text()
+    operative = (tmp_path / "operative_config.gin").read_text()
+    assert "RunDirTestConfig.steps = 7" in operative and "RunDirTestConfig.lr = 0.1" in operative
+    texts = tb_texts(tmp_path / "tensorboard")
+    (tag,) = [t for t in texts if t.startswith("gin/operative_config")]
+    assert "RunDirTestConfig.lr = 0.1" in texts[tag][0][1]

@@ -43,6 +43,11 @@ def test_fresh_run_is_recorded_finished_with_its_configs(finished):
     assert "TOTAL_STEPS = 2" in (finished / "config.gin").read_text()
     assert "TOTAL_STEPS = 2" in (finished / "operative_config.gin").read_text()
     assert sorted(read_metrics(finished)) == [1, 2] and _ckpts(finished) == [1, 2]
+    # the Trainer's policy record (what `rexrag eval --checkpoint RUN_DIR` reads besides the params)
+    import dataclasses
+    from rexrag_jax.models.qwen2.config import Qwen2Config
+    rec = json.loads((finished / "policy.json").read_text())
+    assert rec["model_config"] == dataclasses.asdict(Qwen2Config.from_preset("tiny", dtype="float32"))
 
 
 def test_finished_run_is_refused_and_left_untouched(finished, tmp_path, capsys):
