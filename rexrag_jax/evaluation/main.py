@@ -42,8 +42,10 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("--checkpoint", help="policy: HF-format Qwen2 dir (config.json + safetensors) or a "
                                             "`rexrag train` run dir (latest orbax step)")
     model.add_argument("--tokenizer", help="tokenizer path (default: from the checkpoint)")
-    model.add_argument("--gin-file", action="append", default=[], help="gin config(s) of the run")
-    model.add_argument("--gin-param", action="append", default=[], help="gin binding override(s)")
+    model.add_argument("--gin-file", "--gin_file", dest="gin_file", action="append", default=[],
+                       help="gin config(s) of the run (default: the run dir's policy.json / operative_config.gin)")
+    model.add_argument("--gin-param", "--gin_param", "--gin_bindings", "--gin-bindings", dest="gin_param",
+                       action="append", default=[], help="gin binding override(s) (default: none)")
     model.add_argument("--retriever-url", "--retriever_url", dest="retriever_url",
                        help="Search-R1 POST /retrieve server (e.g. http://127.0.0.1:8000/retrieve)")
     model.add_argument("--corpus", help="corpus jsonl for the in-process MiniLM retriever (instead of --retriever-url)")

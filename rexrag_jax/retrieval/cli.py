@@ -68,11 +68,26 @@ def serve_settings(host: str = "127.0.0.1", port: int = 8000, searcher: str | No
 
 def _parse(argv, prog, extra):
     p = argparse.ArgumentParser(prog=prog)
-    p.add_argument("--gin_file", action="append", default=[], help="gin config file (repeatable)")
-    p.add_argument("--gin_bindings", action="append", default=[], help="gin binding (repeatable)")
+    p.add_argument("--gin_file", "--gin-file", dest="gin_file", action="append", default=[],
+                   help="gin config file (repeatable; default: none)")
+    p.add_argument("--gin_bindings", "--gin-bindings", "--gin_param", "--gin-param", dest="gin_bindings",
+                   action="append", default=[], help="gin binding (repeatable; default: none)")
     for args, kw in extra:
         p.add_argument(*args, **kw)
     return p.parse_args(argv)
+
+
+class ConfigError(ValueError):
+    """A gin file that cannot be read, an unknown configurable/parameter or a syntax error (one line)."""
+
+
+def _parse_gin(files, bindings) -> None:
+    try:
+        gin.parse_config_files_and_bindings(files, bindings)
+    except Exception as e:  # noqa: BLE001  gin raises OSError / ValueError / SyntaxError / TokenError
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+        where = next((ln for ln in lines[1:] if ln.startswith("In ")), None)
+        raise ConfigError("bad gin config: " + lines[0] + (f" ({where})" if where else "")) from None
 
 
 def _gin_str(s: str) -> str:
@@ -87,7 +102,7 @@ def _remote_errors_exit_2(prog: str):
         def inner(argv=None) -> int:
             try:
                 return fn(argv)
-            except (paths.RemotePathError, IndexExistsError) as e:
+            except (paths.RemotePathError, IndexExistsError, ConfigError) as e:
                 print(f"{prog}: {e}", file=sys.stderr)
                 return 2
         return inner
@@ -114,7 +129,7 @@ def build_index_main(argv=None) -> int:
         bindings.append(f"retrieval.build.corpus_path = {_gin_str(a.corpus)}")
     if a.index_dir:
         bindings.append(f"retrieval.build.index_dir = {_gin_str(a.index_dir)}")
-    gin.parse_config_files_and_bindings(a.gin_file, bindings)
+    _parse_gin(a.gin_file, bindings)
     settings = build_settings()
     _check_remote(settings["index_dir"], settings["corpus_path"])  # cheap errors before the encoder loads
     check_output_dir(settings["index_dir"], a.overwrite)
@@ -142,7 +157,7 @@ def merge_index_main(argv=None) -> int:
         (("--overwrite",), dict(action="store_true", help="replace a finished index at --index_dir (default: off, "
                                                           "refused); build-index also discards a partial build")),
         (("--quiet",), dict(action="store_true"))])
-    gin.parse_config_files_and_bindings(a.gin_file, a.gin_bindings)
+    _parse_gin(a.gin_file, a.gin_bindings)
 
     def bound(name, default):
         try:

@@ -32,8 +32,10 @@ from rexrag_jax.config import GIN_DIR, parse_gin  # noqa: F401  (parse_gin: re-e
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="rexrag train", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gin_file", action="append", default=[], help="gin file (repeatable)")
-    ap.add_argument("--gin_bindings", action="append", default=[], help="gin binding (repeatable)")
+    ap.add_argument("--gin_file", "--gin-file", dest="gin_file", action="append", default=[],
+                    help="gin file (repeatable; tried as given, then under gin/)")
+    ap.add_argument("--gin_bindings", "--gin-bindings", "--gin_param", "--gin-param", dest="gin_bindings",
+                    action="append", default=[], help="gin binding, e.g. 'TOTAL_STEPS = 10' (repeatable; default: none)")
     ap.add_argument("--run_dir", required=True, help="checkpoints, TensorBoard logs, metrics.jsonl, configs")
     ap.add_argument("--overwrite", action="store_true",
                     help="replace a finished run, or an unfinished one with other bindings, in --run_dir "
@@ -61,6 +63,14 @@ def unset_required_macros() -> list[str]:
     return sorted(m.group(1) for m in re.finditer(r"^([A-Z][A-Z0-9_]*) = %gin\.REQUIRED\s*$", gin.config_str(), re.M))
 
 
+def gin_error_line(e: BaseException) -> str:
+    """One line for a gin parse/call error: the message's first line, plus where gin says it came from
+    ("In file ..., line N" / "In bindings string line N" / "In call to configurable 'X'")."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+    where = next((ln for ln in lines[1:] if ln.startswith("In ")), None)
+    return lines[0] + (f" ({where})" if where else "")
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if not args.gin_file:
@@ -81,7 +91,11 @@ def main(argv=None) -> int:
     # gin logs "Path not found" before trying its search path (gin/); a truly missing file still raises.
     for handler in logging.getLogger().handlers:
         handler.addFilter(lambda r: not r.getMessage().startswith(("Path not found", "system_path_file_exists")))
-    parse_gin(args.gin_file, args.gin_bindings)
+    try:
+        parse_gin(args.gin_file, args.gin_bindings)
+    except Exception as e:  # noqa: BLE001  missing file, unknown configurable/parameter, syntax: one line
+        print(f"rexrag train: bad gin config: {gin_error_line(e)}", file=sys.stderr)
+        return 2
     missing = unset_required_macros()
     if missing:
         print(f"rexrag train: required gin macro(s) not set: {', '.join(missing)}; set them in a gin file or "
@@ -104,6 +118,10 @@ def main(argv=None) -> int:
     except StartupInputError as e:  # bad input found while the trainer is built (e.g. a RAPO trace buffer)
         run.abandon()  # a fresh run dir goes again: the corrected command starts clean, not "incompatible"
         print(f"rexrag train: {str(e).splitlines()[0]}", file=sys.stderr)  # gin appends "In call to ..."
+        return 2
+    except (ValueError, TypeError) as e:  # a wrongly typed / out-of-range value, found while building
+        run.abandon()
+        print(f"rexrag train: bad configuration: {gin_error_line(e)}", file=sys.stderr)
         return 2
     except BaseException:
         run.abandon()

@@ -94,8 +94,9 @@ class TrainConfig:
     def __post_init__(self):
         for name in ("total_steps", "num_questions", "group_size", "mini_batch", "micro_batch", "max_seq_len",
                      "length_bucket", "ppo_epochs", "checkpoint_every", "keep_checkpoints"):
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: expected a positive integer")
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+                raise ValueError(f"TrainConfig.{name}={v!r}: expected a positive integer")
         if self.rollout_batch and self.rollout_batch != self.num_questions * self.group_size:
             raise ValueError(f"TrainConfig.rollout_batch (ROLLOUT_BATCH) = {self.rollout_batch} but num_questions * "
                              f"group_size = {self.num_questions} * {self.group_size} = "

@@ -146,3 +146,34 @@ def test_merge_index_refuses_a_finished_output_unless_overwrite(tiny_hf_dir, cor
     gin.clear_config()
     assert merge_index_main(args + ["--overwrite"]) == 0
     assert not (out / "stray.txt").exists() and Index.load(str(out)).manifest["count"] == 64
+
+
+def test_gin_flag_spellings_are_aliases(tiny_hf_dir, corpora, tmp_path):
+    """--gin_bindings (the train/build-index spelling) also answers to --gin_param / --gin-param /
+    --gin-bindings, and --gin_file to --gin-file, so one command line style works for every sub-command."""
+    a, _ = corpora
+    gin.clear_config()
+    assert build_index_main(["--gin-file", os.path.join(REPO, "gin/retriever/minilm_exact.gin"),
+                             "--gin_param", 'retrieval.encoder.kind = "bert"',
+                             "--gin-param", f'retrieval.encoder.model_dir = "{tiny_hf_dir}"',
+                             "--gin-bindings", 'retrieval.encoder.name = "tiny"',
+                             "--gin_bindings", "retrieval.encoder.max_length = 64",
+                             "--corpus", a, "--index_dir", str(tmp_path / "idx"), "--quiet"]) == 0
+    assert Index.load(str(tmp_path / "idx")).manifest["encoder"]["name"] == "tiny"
+    from rexrag_jax.evaluation.main import _parser
+    for flag in ("--gin-param", "--gin_param", "--gin_bindings", "--gin-bindings"):
+        assert _parser().parse_args(["--rescore", "x", flag, "A = 1"]).gin_param == ["A = 1"]
+
+
+@pytest.mark.parametrize("extra, expect", [
+    (["--gin_file", "nope.gin"], "bad gin config: Unable to open file: nope.gin"),
+    (["--gin_bindings", "retrieval.encodr.kind = 'bert'"], "bad gin config: No configurable matching"),
+])
+def test_gin_errors_are_one_line_exit_2(corpora, tmp_path, capsys, extra, expect):
+    gin.clear_config()
+    assert build_index_main(["--corpus", corpora[0], "--index_dir", str(tmp_path / "i"), *extra]) == 2
+    err = _one_line_err(capsys)
+    assert err.startswith("rexrag build-index: ") and expect in err and not (tmp_path / "i").exists()
+    gin.clear_config()
+    assert merge_index_main(["--parts", "p0", "--index_dir", str(tmp_path / "m"), *extra]) == 2
+    assert expect in _one_line_err(capsys)

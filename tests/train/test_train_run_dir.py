@@ -115,3 +115,25 @@ def test_bad_start_leaves_no_run_dir(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.count("\n") == 0 and "missing_buffer" in err, err
     assert not d.exists()
+
+
+@pytest.mark.parametrize("extra, expect", [
+    (["--gin_file", "nope.gin"], "bad gin config: Unable to open file: nope.gin"),
+    (["--gin_bindings", "TrainConfg.seed = 1"], "bad gin config: No configurable matching 'TrainConfg'. "
+                                                "(In bindings string line 1)"),
+    (["--gin_bindings", "TrainConfig.sed = 1"], "doesn't have a parameter named 'sed'"),
+    (["--gin_bindings", "TrainConfig.total_steps = 'three'"], "bad configuration: TrainConfig.total_steps='three': expected a positive integer"),
+])
+def test_config_errors_are_one_line_exit_2_and_leave_no_run_dir(tmp_path, capsys, extra, expect):
+    d = tmp_path / "run"
+    rc = main(["--gin_file", "tiny.gin", "--run_dir", str(d), *extra])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.count("\n") == 0 and expect in err, err
+    assert not d.exists()
+
+
+def test_gin_binding_flag_aliases(tmp_path):
+    from rexrag_jax.train.main import _parser
+
+    for flag in ("--gin_bindings", "--gin-bindings", "--gin_param", "--gin-param"):
+        assert _parser().parse_args(["--gin_file", "x", "--run_dir", "r", flag, "A = 1"]).gin_bindings == ["A = 1"]
