@@ -136,15 +136,29 @@ class RunDir:
             elif config_text is not None:
                 logger.text("gin/config", config_text, step)
 
-    def save_gin(self, tensorboard: bool = True, step: int = 0) -> None:
+    def save_gin(self, resolved=(), tensorboard: bool = True, step: int = 0) -> None:
         """save_configs with the current gin state: config.gin = gin.config_str(), operative_config.gin =
         gin.operative_config_str() (call it after the configurables were built), and, unless tensorboard is
-        False, the operative config as TensorBoard text in <run_dir>/tensorboard (its own event file)."""
+        False, the operative config as TensorBoard text in <run_dir>/tensorboard (its own event file).
+
+        resolved: gin-configurable dataclass instances the command changed after gin built them (the
+        demo's `--quick`: dataclasses.replace(cfg, **QUICK_OVERRIDES)); each field that differs from a fresh
+        gin-built instance is appended to operative_config.gin as a binding, so the file parses to the
+        configuration the run used."""
+        import dataclasses
         import tempfile
 
         import gin
 
         operative = gin.operative_config_str()
+        extra = []
+        for obj in resolved:
+            built = type(obj)()
+            name = type(obj).__name__
+            extra += [f"{name}.{f.name} = {getattr(obj, f.name)!r}" for f in dataclasses.fields(obj)
+                      if getattr(obj, f.name) != getattr(built, f.name)]
+        if extra:
+            operative += "\n# Changed by the command after gin (e.g. --quick): these bindings win\n" + "\n".join(extra) + "\n"
         self.save_configs(gin.config_str(), operative)
         if not tensorboard:
             return

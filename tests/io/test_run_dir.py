@@ -206,3 +206,27 @@ def test_save_gin_writes_the_gin_state_and_tensorboard_text(tmp_path):
     texts = tb_texts(tmp_path / "tensorboard")
     (tag,) = [t for t in texts if t.startswith("gin/operative_config")]
     assert "RunDirTestConfig.lr = 0.1" in texts[tag][0][1]
+
+
+def test_save_gin_records_values_changed_after_gin(tmp_path):
+    """The demo's --quick replaces DemoConfig fields after gin built it: operative_config.gin must still parse
+    back to the configuration the run used."""
+    import dataclasses
+
+    import gin
+
+    @gin.configurable
+    @dataclasses.dataclass(frozen=True)
+    class RunDirQuickConfig:
+        steps: int = 1
+        name: str = "full"
+
+    gin.parse_config("RunDirQuickConfig.steps = 7")
+    cfg = dataclasses.replace(RunDirQuickConfig(), name="quick")
+    run = R.prepare(str(tmp_path), "demo", dataclasses.asdict(cfg), **_quiet())
+    run.save_gin(resolved=(cfg,), tensorboard=False)
+    text = (tmp_path / "operative_config.gin").read_text()
+    assert "RunDirQuickConfig.name = 'quick'" in text and "RunDirQuickConfig.steps = 7" in text
+    gin.clear_config()
+    gin.parse_config(text)
+    assert RunDirQuickConfig() == cfg
