@@ -296,10 +296,13 @@ def program_bytes(inp: PlanInputs) -> dict[str, int]:
       prefill  P + KV + G + 3·K_all + 2·K (the engine gathers rows by replicated indices, so the partitioner
                all-gathers the whole cache, every row of every device; K_all = all rows of k, K = this
                device's k, both float32 as XLA:CPU holds them)
-      decode   P + KV + G + 2·KV (the while loop's copies of k and v) + 5·G
+      decode   P + KV + G + 2·KV (the while loop's copies of k and v) + 5·G + V·D·pb (the lm_head or
+               tied embedding gathered whole over fsdp in the param dtype: what dominates at fsdp >= 128)
 
     The multiplicities (4·S, 3·S, 3·P) are the buffers XLA keeps live at the peak in the buffer assignment
     of these programs (XLA:CPU, which also upcasts bf16 gathers/scatters to float32; TPU not measured).
+    Not modelled: decode with KV heads split over tensor > 1 (XLA:CPU takes the CPU-only decode attention
+    path, whose flat [B, S*KV, Hd] view makes XLA copy the cache once more: up to 1.33x this estimate).
     """
     cfg, mesh = inp.cfg, inp.mesh
     pb = DTYPE_BYTES[cfg.param_dtype]
@@ -325,7 +328,7 @@ def program_bytes(inp: PlanInputs) -> dict[str, int]:
     k_all_f32 = kv_cache_bytes(cfg, rows, slots, {"data": 1, "fsdp": 1, "tensor": tensor}) // 2 * 4 // beta
     k_f32 = kv // 2 * 4 // beta  # this device's k (or v) in float32
     prefill = P + kv + logits + 3 * k_all_f32 + 2 * k_f32
-    decode = P + kv + logits + 2 * kv + 5 * logits
+    decode = P + kv + logits + 2 * kv + 5 * logits + V * D * pb  # + the lm_head / embedding gathered whole
     return {"update": update, "logprob": logprob, "prefill": prefill, "decode": decode}
 
 
@@ -388,6 +391,29 @@ def smallest_fix(inp: PlanInputs, program: str, hbm_bytes: int, max_fsdp: int = 
         if fits(wider):
             return f"fsdp={fsdp} ({fsdp * inp.mesh['data'] * inp.mesh['tensor']} devices)"
     return f"nothing up to fsdp={max_fsdp} fits: the program's own temporaries exceed the chip"
+
+
+def undivided_leaves(cfg: Qwen2Config, mesh: dict[str, int], rules=LOGICAL_AXIS_RULES) -> list[str]:
+    """Parameter leaves with a dim that its mesh axes do not divide (spec_for_shape then leaves that dim
+    unsplit, e.g. Qwen2.5-0.5B's embed dim 896 on fsdp=256: every kernel is replicated over fsdp)."""
+    out = []
+    table = dict(rules)
+    for name, (shape, axes) in _param_tables(cfg).items():
+        spec = spec_for_shape(axes, shape, _fake_mesh(mesh), rules)
+        for dim, (lname, size) in enumerate(zip(axes, shape)):
+            target = table.get(lname) if lname else None
+            want = tuple(a for a in ((target,) if isinstance(target, str) else tuple(target or ()))
+                         if mesh.get(a, 1) > 1)
+            got = spec[dim] if dim < len(spec) else None
+            got = (got,) if isinstance(got, str) else tuple(got or ())
+            lost = [a for a in want if a not in got]
+            # an axis used by an earlier dim of the same leaf is not a loss
+            used = {a for d in range(dim) for a in ((spec[d],) if isinstance(spec[d], str) else tuple(spec[d] or ()))}
+            lost = [a for a in lost if a not in used]
+            if lost:
+                out.append(f"{name} dim {dim} ({lname}, {size}) not divisible by "
+                           + " x ".join(f"{a}={mesh[a]}" for a in lost))
+    return out
 
 
 def format_programs(plan: MemoryPlan) -> list[str]:
@@ -483,6 +509,10 @@ def format_plan(plan: MemoryPlan) -> str:
     if plan.train_peak > plan.hbm_bytes and not cfg.remat:
         lines.append("  training: try remat (model_config.remat = True) or a smaller MICRO_BATCH")
     lines += format_programs(plan)
+    lost = undivided_leaves(cfg, inp.mesh)
+    if lost:
+        lines.append(f"  warning: {len(lost)} parameter dims stay unsplit (replicated over that axis; the AdamW "
+                     "moments follow): " + "; ".join(lost[:4]) + ("; ..." if len(lost) > 4 else ""))
     if cfg.param_dtype != "float32":
         lines.append(f"  warning: param_dtype={cfg.param_dtype} updates the weights in {cfg.param_dtype} (no float32 "
                      "master copy): steps below ~0.4% of a weight round away, which at RL learning rates "

@@ -49,7 +49,7 @@ def test_program_bytes_by_hand():
     assert got["logprob"] == P + 8 * 5 + 3 * S + 64 * 16 * 2 + W
     kv = 2 * (1 * 2 * 12 * 1 * 8) * 2             # k + v, 2 of 4 rows per device, bf16
     logits = 2 * 64 * 4
-    assert got["decode"] == P + kv + logits + 2 * kv + 5 * logits
+    assert got["decode"] == P + kv + logits + 2 * kv + 5 * logits + 64 * 16 * 4
     assert got["prefill"] == P + kv + logits + 3 * (4 * 12 * 8 * 4) + 2 * (kv // 2 * 2)
 
 
@@ -95,3 +95,10 @@ def test_memory_stats_total():
             return M()
 
     assert memory_stats(C()) == {"argument": 10, "output": 7, "alias": 5, "temp": 3, "total": 15}
+
+
+def test_undivided_dims_are_named():
+    cfg = Qwen2Config.from_preset("qwen2.5-0.5b")
+    assert planner.undivided_leaves(cfg, {"data": 1, "fsdp": 128, "tensor": 1}) == []
+    lost = planner.undivided_leaves(cfg, {"data": 1, "fsdp": 256, "tensor": 1})
+    assert "embed dim 1 (embed, 896) not divisible by fsdp=256" in lost and len(lost) == 8  # embed + 7 kernels
