@@ -11,6 +11,10 @@ Per world (seed = a new synthetic world + its own tokenizer, SFT warm start and 
                  grpo            no probes                                 (TrainConfig.use_probes = False)
                  rexrag_nocorr   probes, behaviour = π_old on every token  (TrainConfig.policy_correction = False)
                  rexrag          probes + the policy correction (SPEC §5)
+                 rapo            RAPO (SPEC §8): hybrid rollouts from a static trace buffer that the world's
+                                 solver with noise 0.3 builds before RL (16 samples per train question, top 5),
+                                 half the rows of a group hybrid, clip 0.28, beta 0, per-sequence mean
+                                 (demo.build_rapo_buffer, DemoConfig.rapo*)
   after        greedy held-out EM on the same questions (per hop count), and the per-step diagnostics
                (all-fail / rescued groups, probe success created / kept, ρ, α, err, ratio statistics)
 
@@ -21,6 +25,9 @@ Resume: results go to RUN_ROOT/results.json after every arm (and to --json_out);
 again with the same command skips finished worlds/arms and restarts the arm it was on. RUN_ROOT remembers
 the code commit and the settings; another commit or other settings are refused unless --overwrite
 (which starts RUN_ROOT afresh).
+
+--warm_from OTHER_RUN_ROOT: a world whose warm start is not in RUN_ROOT yet takes a copy of OTHER_RUN_ROOT's
+(finished, same warm-start settings) instead of training it again; the source and its commit are recorded.
 
 Statistics: paired differences (arm B - arm A on the same world and questions) with two 95% intervals,
   t over worlds          mean ± t_{n-1, 0.975} · sd / sqrt(n) of the per-world differences;
@@ -46,8 +53,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rexrag_jax import demo  # noqa: E402
 
 ARMS = {"grpo": dict(use_probes=False), "rexrag_nocorr": dict(use_probes=True, policy_correction=False),
-        "rexrag": dict(use_probes=True, policy_correction=True)}
-COMPARISONS = (("rexrag", "grpo"), ("rexrag", "rexrag_nocorr"), ("rexrag_nocorr", "grpo"))
+        "rexrag": dict(use_probes=True, policy_correction=True), "rapo": dict(use_probes=False, rapo=True)}
+COMPARISONS = (("rexrag", "grpo"), ("rexrag", "rexrag_nocorr"), ("rexrag_nocorr", "grpo"), ("rapo", "grpo"))
 # No time budgets: SFT runs all its steps and RL all its steps whatever the machine's load (the demo's 540 s
 # SFT budget stops it early on a busy box, which made one world's warm start fail in an earlier run).
 # 4 reading worlds and 15% self-reflection records (rexrag_jax/demo.py DemoConfig, docs/benchmarks/demo.md);
@@ -137,6 +144,48 @@ def open_run_root(run_root: str, manifest: dict, overwrite: bool) -> dict:
     return {"worlds": []}
 
 
+def step_costs(rl_log: list[dict]) -> dict:
+    """Mean RL step time (s) and tool calls (executed searches) per trajectory over an arm's steps."""
+    out = {}
+    for name, key in (("step_seconds_mean", "time/step"), ("tool_calls_per_traj", "searches/mean")):
+        vals = [r[key] for r in rl_log if key in r]
+        out[name] = float(np.mean(vals)) if vals else None
+    return out
+
+
+# DemoConfig fields that only the RL arms read: a warm start made under other values is the same warm start
+RL_ONLY_FIELDS = {"rl_steps", "num_questions", "group_size", "rl_lr", "micro_batch", "kl_coef", "use_probes",
+                  "policy_correction", "revision_prob", "initial_keep_ratio", "rl_time_budget_s", "curve_every",
+                  "curve_examples", "rapo", "rapo_buffer_noise", "rapo_buffer_n", "rapo_buffer_k", "rapo_prompt_note"}
+
+
+def copy_warm_start(src_root: str, seed: int, warm_dir: str, cfg, results: dict):
+    """--warm_from: copy SRC_ROOT/seed<seed>/warm into warm_dir when SRC_ROOT finished that warm start under
+    the same warm-start settings; returns the loaded warm start, or None (then it is trained here)."""
+    src = os.path.join(src_root, f"seed{seed}", "warm")
+    try:
+        with open(os.path.join(src_root, "manifest.json")) as f:
+            other = json.load(f)
+        with open(os.path.join(src_root, "results.json")) as f:
+            done = any(w["seed"] == seed and "warm_start" in w for w in json.load(f)["worlds"])
+    except (OSError, ValueError, KeyError):
+        raise BadInput(f"--warm_from {src_root}: not a replication run root (manifest.json / results.json unreadable)")
+    mine = dataclasses.asdict(cfg)
+    differ = sorted(k for k in set(mine) | set(other["config"]) if k not in RL_ONLY_FIELDS
+                    and other["config"].get(k, mine.get(k)) != mine.get(k))
+    if differ:
+        raise BadInput(f"--warm_from {src_root}: its warm starts were made with other settings ({', '.join(differ)})")
+    if not done or not os.path.exists(os.path.join(src, "probe_prior.json")):
+        return None
+    tmp = warm_dir + ".copy"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    shutil.rmtree(warm_dir, ignore_errors=True)
+    os.replace(tmp, warm_dir)
+    results.setdefault("warm_from", {})[str(seed)] = {"run_root": os.path.abspath(src_root), "commit": other["commit"]}
+    return demo.load_warm_start(warm_dir, seed, cfg)
+
+
 def _write_json(path: str, obj) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
@@ -206,8 +255,14 @@ def summarize(results: dict, run_root: str, arms: list[str]) -> list[str]:
                      + f", 95% bootstrap (worlds x questions) [{st['bootstrap_interval'][0]:+.1f}, "
                        f"{st['bootstrap_interval'][1]:+.1f}]   per world {', '.join(f'{d:+.1f}' for d in st['per_world'])}")
     for a in arms:
+        cs = [w["arms"][a] for w in results["worlds"] if a in w["arms"]]
+        f = lambda k: np.mean([c[k] for c in cs if c.get(k) is not None] or [np.nan])  # noqa: E731
+        if cs:
+            lines.append(f"{a:>24}: RL step {f('step_seconds_mean'):.2f} s, tool calls per trajectory "
+                         f"{f('tool_calls_per_traj'):.2f} (mean over worlds)")
+    for a in arms:
         ds = [w["arms"][a]["diagnostics"] for w in results["worlds"] if a in w["arms"]]
-        if not ds or a == "grpo":
+        if not ds or a in ("grpo", "rapo"):
             continue
         f = lambda k: np.nanmean([d[k] if d.get(k) is not None else np.nan for d in ds])  # noqa: E731
         lines.append(f"{a:>24}: all-fail groups {100 * f('groups/all_fail'):.0f}%, rescued {100 * f('groups/rescued'):.0f}%, "
@@ -254,6 +309,8 @@ def run(args) -> int:
                 warm = demo.load_warm_start(warm_dir, seed, cfg)
             except (FileNotFoundError, ValueError):
                 warm = None
+        if warm is None and args.warm_from:
+            warm = copy_warm_start(args.warm_from, seed, warm_dir, cfg, results)
         if warm is None:
             shutil.rmtree(warm_dir, ignore_errors=True)
             warm = demo.prepare_warm_start(warm_dir, seed, cfg, progress=False, times={})
@@ -278,7 +335,7 @@ def run(args) -> int:
                                   "em_before_per_hop": per_hop(s["table"], "em_warmstart"),
                                   "em_after_per_hop": per_hop(s["table"], "em_rl"), "rl_steps": s["rl_steps"],
                                   "seconds": round(time.perf_counter() - t0, 1), "diagnostics": s["rl_diagnostics"],
-                                  "rl_log": s["rl_log"]}
+                                  **step_costs(s["rl_log"]), "rl_log": s["rl_log"]}
             save()
             print(f"world {seed} {arm:>13}: EM {world['arms'][arm]['em_before']:.1f} -> {world['arms'][arm]['em_after']:.1f} "
                   f"({world['arms'][arm]['seconds']:.0f}s)", flush=True)
@@ -300,6 +357,8 @@ def main(argv=None) -> int:
     p.add_argument("--gin_file", action="append", default=[])
     p.add_argument("--gin_param", action="append", default=[])
     p.add_argument("--overwrite", action="store_true", help="start RUN_ROOT afresh (other commit or settings)")
+    p.add_argument("--warm_from", default=None, help="copy finished warm starts from this replication run root "
+                                                      "(same warm-start settings) instead of training them")
     p.add_argument("--command", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:

@@ -101,6 +101,17 @@ class DemoConfig:
     use_probes: bool = True
     policy_correction: bool = True      # False: the "w/o policy correction" ablation (behaviour = π_old)
     revision_prob: float = 0.5          # higher than the paper's 0.2: few wrong answers per small step
+    # RAPO arm (benchmarks/replication.py --arms rapo; rexrag_jax/rapo, SPEC §8): hybrid rollouts whose
+    # inserted steps come from a static trace buffer that the world's solver with noise builds before RL
+    # (rapo_buffer_n samples per train question, top rapo_buffer_k kept; the "stronger agent" of the paper).
+    # Half the rows of a group are hybrid (paper: 8 of 16), clip 0.28, beta 0, per-sequence mean.
+    rapo: bool = False
+    rapo_buffer_noise: float = 0.3      # the solver's early-answer probability per hop
+    rapo_buffer_n: int = 16
+    rapo_buffer_k: int = 5
+    # the paper's prompt sentence about <retrieve> is for an instruction-following LLM; the miniature's
+    # warm start follows no instructions and never saw it, so by default the prompt stays the warm start's
+    rapo_prompt_note: bool = False
     initial_keep_ratio: float = 0.125
     rl_time_budget_s: float | None = 240.0
     temperature: float = 0.7            # rollout sampling temperature; the trainer's log-probs use the same
@@ -117,11 +128,14 @@ class DemoConfig:
 # per-step numbers kept in summary.json's rl_log (all of them also go to TensorBoard, rl/)
 RL_LOG_KEYS = ("em/train", "reward/mean", "reward/original", "probes/created", "probes/kept", "probes/success_created",
                "probes/success_kept", "groups/all_fail", "groups/rescued", "keep_ratio", "alpha", "err",
-               "original/ratio_mean", "probe/ratio_mean", "original/clip_frac", "probe/clip_frac", "kl", "time/step")
+               "original/ratio_mean", "probe/ratio_mean", "original/clip_frac", "probe/clip_frac", "kl", "time/step",
+               "searches/mean", "rapo/insertions_per_traj", "rapo/z_ret_mean", "rapo/z_ret_std", "rapo/a_ret_mean",
+               "rapo/f_ret_mean", "rapo/shaped_ratio_clip_frac", "rapo/buffer_hit_similarity")
 
 QUICK_OVERRIDES = dict(hidden_size=128, intermediate_size=384, head_dim=32, num_person=40, num_city=14, num_country=4, num_company=10, sft_examples=400, reading_worlds=1,
                        test_per_hop=10, sft_steps=25, rl_steps=2, num_questions=4, group_size=4,
-                       micro_batch=8, curve_every=0, vocab_size=700, probe_prior_questions=8, sft_time_budget_s=None, rl_time_budget_s=None)
+                       micro_batch=8, curve_every=0, vocab_size=700, probe_prior_questions=8, sft_time_budget_s=None, rl_time_budget_s=None,
+                       rapo_buffer_n=4, rapo_buffer_k=1)
 
 
 def _log(msg: str) -> None:
@@ -417,29 +431,72 @@ def load_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool = F
                 run_dir=run_dir, times={})
 
 
+def build_rapo_buffer(cfg: DemoConfig, warm: dict, seed: int, progress: bool = False) -> str:
+    """The RAPO arm's static trace buffer for the warm start's world: <warm run_dir>/trace_buffer, built once
+    (resumable, rexrag_jax.rapo.static_buffer) from cfg.rapo_buffer_n solver samples per train question
+    (early-answer noise cfg.rapo_buffer_noise; the first cfg.sft_examples questions when set), top
+    cfg.rapo_buffer_k kept; observations from the run's own
+    retriever and top-k, keys embedded with the trainer's MiniLM encoder. Returns the directory."""
+    from rexrag_jax.rapo.hybrid_rollout import HybridConfig
+    from rexrag_jax.rapo.solver import NoisySolver
+    from rexrag_jax.rapo.static_buffer import build_trace_buffer
+    from rexrag_jax.rapo.trace_buffer import minilm_encode_fn
+
+    out = os.path.join(warm["run_dir"], "trace_buffer")
+    if os.path.exists(os.path.join(out, "manifest.json")):
+        return out
+    chars = HybridConfig().history_chars
+    solver = NoisySolver(warm["retriever"], cfg.rapo_buffer_noise, cfg.topk, chars)
+    build_trace_buffer(out, warm["world"].train, solver, minilm_encode_fn(max_length=256), n=cfg.rapo_buffer_n,
+                       k=cfg.rapo_buffer_k, seed=seed, history_chars=chars,
+                       policy=dict(solver.info, retriever="demo"), num_questions=cfg.sft_examples or None,
+                       progress=progress, log=_log)
+    return out
+
+
 def make_rl_trainer(cfg: DemoConfig, warm: dict, rl_dir: str, seed: int):
     """The demo's RL Trainer (search rollouts on the world's retriever, from the warm-start policy) in
-    rl_dir; `warm` is a `prepare_warm_start` / `load_warm_start` result."""
+    rl_dir; `warm` is a `prepare_warm_start` / `load_warm_start` result. cfg.rapo: a RapoTrainer on hybrid
+    rollouts from the world's static trace buffer (build_rapo_buffer), RAPO's clip / beta / aggregation."""
     from rexrag_jax.rollout import RolloutConfig
     from rexrag_jax.train.optim import OptimizerConfig
     from rexrag_jax.train.rollout_source import SearchRollout
     from rexrag_jax.train.trainer import TrainConfig, Trainer
 
+    if cfg.rapo and cfg.use_probes:
+        raise ValueError("DemoConfig.rapo needs use_probes = False (RAPO has no probes)")
     rollout_cfg = RolloutConfig(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens, max_obs_tokens=500,
                                 max_context=cfg.max_context, topk=cfg.topk, temperature=cfg.temperature,
                                 probes=cfg.use_probes, revision_prob=cfg.revision_prob)
-    rollout = SearchRollout(tokenizer_path=warm["tok_path"], retriever=warm["retriever"], config=rollout_cfg)
     n_rows = cfg.num_questions * cfg.group_size
+    rapo_kw = {}
+    if cfg.rapo:
+        from rexrag_jax.rapo.hook import RapoConfig
+        from rexrag_jax.rapo.hybrid_rollout import DEFAULT_PROMPT_NOTE, HybridConfig
+        from rexrag_jax.rapo.trainer import HybridSearchRollout
+
+        rapo_cfg = RapoConfig()
+        rollout = HybridSearchRollout(tokenizer_path=warm["tok_path"], retriever=warm["retriever"], config=rollout_cfg,
+                                      hybrid=HybridConfig(prompt_note=DEFAULT_PROMPT_NOTE if cfg.rapo_prompt_note else ""))
+        rapo_kw = dict(eps_low=rapo_cfg.clip_eps, eps_high=rapo_cfg.clip_eps, kl_coef=rapo_cfg.kl_coef)
+    else:
+        rollout = SearchRollout(tokenizer_path=warm["tok_path"], retriever=warm["retriever"], config=rollout_cfg)
     train_cfg = TrainConfig(seed=seed, total_steps=cfg.rl_steps, num_questions=cfg.num_questions,
                             group_size=cfg.group_size, mini_batch=(-(-n_rows // cfg.micro_batch) + 1) * cfg.micro_batch,
                             micro_batch=cfg.micro_batch, max_seq_len=cfg.max_context + cfg.max_new_tokens,
-                            length_bucket=cfg.length_bucket, kl_coef=cfg.kl_coef, use_probes=cfg.use_probes,
+                            length_bucket=cfg.length_bucket, use_probes=cfg.use_probes,
                             policy_correction=cfg.policy_correction,
                             initial_keep_ratio=cfg.initial_keep_ratio, checkpoint_every=max(1, cfg.rl_steps),
-                            eval_every=0, logprob_chunk=0, temperature=cfg.temperature)
+                            eval_every=0, logprob_chunk=0, temperature=cfg.temperature,
+                            **({"kl_coef": cfg.kl_coef} | rapo_kw))
     opt_cfg = OptimizerConfig(learning_rate=cfg.rl_lr, warmup_fraction=0.0, total_steps=cfg.rl_steps)
-    return Trainer(rl_dir, model_cfg=warm["model_cfg"], rollout=rollout, config=train_cfg, optimizer=opt_cfg,
-                   train_examples=warm["world"].train, init_checkpoint=warm["warm_dir"])
+    kw = dict(model_cfg=warm["model_cfg"], rollout=rollout, config=train_cfg, optimizer=opt_cfg,
+              train_examples=warm["world"].train, init_checkpoint=warm["warm_dir"])
+    if cfg.rapo:
+        from rexrag_jax.rapo.trainer import RapoTrainer
+
+        return RapoTrainer(rl_dir, rapo=rapo_cfg, trace_buffer_dir=build_rapo_buffer(cfg, warm, seed), **kw)
+    return Trainer(rl_dir, **kw)
 
 
 def run_demo(run_dir: str, seed: int = 0, cfg: DemoConfig | None = None, progress: bool = True,
@@ -472,7 +529,8 @@ def run_demo(run_dir: str, seed: int = 0, cfg: DemoConfig | None = None, progres
     if cfg.curve_every:
         _, s0 = evaluate_split(evaluator, trainer.params, curve_set, None, False)
         curve.append({"step": 0, "em": s0.average})
-    bar = tqdm(total=cfg.rl_steps, desc="REX-RAG" if cfg.use_probes else "GRPO", disable=not progress)
+    bar = tqdm(total=cfg.rl_steps, desc="RAPO" if cfg.rapo else "REX-RAG" if cfg.use_probes else "GRPO",
+               disable=not progress)
     rl_log = []
     try:
         while trainer.step < cfg.rl_steps:
@@ -607,11 +665,24 @@ def parse_config(gin_files: Sequence[str], gin_params: Sequence[str], quick: boo
     default = os.path.join(GIN_DIR, "demo.gin")
     if os.path.exists(default) and not gin_files:
         files = [default]
+    explicit = set()
+    if quick:  # the user's own bindings (their files, --gin_param) win over the quick sizes; gin/demo.gin's don't
+        gin.parse_config_files_and_bindings(files if gin_files else [], list(gin_params), finalize_config=False)
+        explicit = {k for k in QUICK_OVERRIDES if _gin_bound("DemoConfig", k)}
+        gin.clear_config()
     gin.parse_config_files_and_bindings(files, list(gin_params), finalize_config=False)
     cfg = DemoConfig()
     if quick:
-        cfg = dataclasses.replace(cfg, **QUICK_OVERRIDES)
+        cfg = dataclasses.replace(cfg, **{k: v for k, v in QUICK_OVERRIDES.items() if k not in explicit})
     return cfg
+
+
+def _gin_bound(configurable: str, field: str) -> bool:
+    try:
+        gin.query_parameter(f"{configurable}.{field}")
+        return True
+    except ValueError:
+        return False
 
 
 def enable_compile_cache() -> None:
@@ -636,6 +707,8 @@ def main(argv=None) -> int:
     p.add_argument("--gin_file", action="append", default=[])
     p.add_argument("--gin_param", action="append", default=[], help="e.g. 'DemoConfig.rl_steps = 40'")
     p.add_argument("--no_progress", action="store_true")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a finished run dir, or one made with another configuration, whole")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -647,7 +720,18 @@ def main(argv=None) -> int:
     except (ValueError, TypeError, OSError) as e:
         print(f"rexrag demo: bad configuration: {e}", file=sys.stderr)
         return 2
+    from rexrag_jax.io import run_dir as run_dirs
+
+    try:  # the demo has no mid-run resume: an unfinished run with the same configuration restarts whole
+        run = run_dirs.prepare(args.run_dir, "demo", {"seed": args.seed, **dataclasses.asdict(cfg)},
+                               overwrite=args.overwrite, prog="rexrag demo", on_unfinished="restart",
+                               legacy_files=("summary.json", "world", "rl", "warmstart_model"))
+    except run_dirs.RunDirError as e:
+        print(f"rexrag demo: {e}", file=sys.stderr)
+        return 2
+    run.save_gin(resolved=(cfg,))
     summary = run_demo(args.run_dir, args.seed, cfg, progress=not args.no_progress)
+    run.mark_finished(rl_steps=summary["rl_steps"])
     print_summary(summary)
     return 0
 

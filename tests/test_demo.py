@@ -5,6 +5,7 @@ it asserts the artifacts (orbax checkpoint, TensorBoard events, exported policy,
 numbers printed are the numbers recomputed from the scored trajectory files; it does not assert that
 RL improves EM (a 2-step run on a tiny world is not a reliable learning test).
 """
+import dataclasses
 import glob
 import json
 import os
@@ -206,3 +207,27 @@ def test_config_from_gin_file_bindings_and_quick():
     assert quick.rl_steps == demo.QUICK_OVERRIDES["rl_steps"] and quick.sft_steps == demo.QUICK_OVERRIDES["sft_steps"]
     with pytest.raises(ValueError):
         demo.parse_config([], ["DemoConfig.no_such_field = 1"], quick=False)
+    # --quick shrinks what the user left alone; an explicit binding wins over the quick size
+    mixed = demo.parse_config([], ["DemoConfig.sft_steps = 3"], quick=True)
+    assert mixed.sft_steps == 3 and mixed.rl_steps == demo.QUICK_OVERRIDES["rl_steps"]
+    assert mixed.hidden_size == demo.QUICK_OVERRIDES["hidden_size"] != cfg.hidden_size
+
+
+def test_rerun_into_a_finished_demo_run_dir_is_refused_then_overwritten(quick_run, capsys):
+    """run.json marks the quick run finished: the same command again is one line naming --overwrite, exit 2,
+    and nothing in the run dir changes; the saved operative config parses back to the quick configuration."""
+    rc, run_dir = quick_run
+    assert rc == 0
+    manifest = json.load(open(os.path.join(run_dir, "run.json")))
+    assert manifest["command"] == "demo" and manifest["finished"] and manifest["finished_info"]["rl_steps"] == 2
+    assert manifest["config"]["sft_steps"] == demo.QUICK_OVERRIDES["sft_steps"]
+    before = {p: os.path.getmtime(p) for p in glob.glob(os.path.join(run_dir, "**"), recursive=True)}
+    capsys.readouterr()
+    assert demo.main(["--run_dir", run_dir, "--quick", "--seed", "0", "--no_progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--overwrite" in err[0] and "finished" in err[0]
+    assert {p: os.path.getmtime(p) for p in glob.glob(os.path.join(run_dir, "**"), recursive=True)} == before
+    op = open(os.path.join(run_dir, "operative_config.gin")).read()
+    cfg = demo.parse_config([], [line for line in op.splitlines() if line.startswith("DemoConfig.")], quick=False)
+    assert dataclasses.asdict(cfg) == {k: v for k, v in manifest["config"].items() if k != "seed"}
+    assert glob.glob(os.path.join(run_dir, "tensorboard", "events.*"))

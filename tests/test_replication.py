@@ -49,9 +49,9 @@ def test_quick_replication_writes_the_json_shape(quick, capsys):
     for k in ("probe_success", "fresh_success"):
         assert 0.0 <= ws[k] <= 1.0
     assert ws["n_fresh"] == ws["n_questions"] * 4  # group_size samples per greedy-wrong question
-    assert set(world["arms"]) == {"grpo", "rexrag_nocorr", "rexrag"}
+    assert set(world["arms"]) == {"grpo", "rexrag_nocorr", "rexrag", "rapo"}
     before = {a["em_before"] for a in world["arms"].values()}
-    assert len(before) == 1  # one warm start for the three arms
+    assert len(before) == 1  # one warm start for the four arms
     for name, arm in world["arms"].items():
         assert arm["n_heldout"] == 30 and arm["rl_steps"] == 2
         assert set(arm["em_after_per_hop"]) == {"1hop", "2hop", "3hop"}
@@ -64,8 +64,20 @@ def test_quick_replication_writes_the_json_shape(quick, capsys):
             assert k in d
         if name == "grpo":
             assert d["probes/created"] in (None, 0) and d["alpha"] == 0.0
+        # per-step time and tool calls per trajectory = the means of the per-step log
+        assert arm["step_seconds_mean"] == pytest.approx(np.mean([r["time/step"] for r in arm["rl_log"]]))
+        assert arm["tool_calls_per_traj"] == pytest.approx(np.mean([r["searches/mean"] for r in arm["rl_log"]]))
+        assert arm["tool_calls_per_traj"] > 0
+    # the RAPO arm trained on hybrid rollouts from the world's static trace buffer (solver, top-1 of 4 in --quick)
+    manifest = json.load(open(os.path.join(root, "seed0", "warm", "trace_buffer", "manifest.json")))
+    assert (manifest["n"], manifest["k"]) == (4, 1) and manifest["policy"]["kind"] == "solver"
+    assert manifest["counts"]["questions"] == replication.demo.QUICK_OVERRIDES["sft_examples"]
+    rapo_log = world["arms"]["rapo"]["rl_log"]
+    assert all("rapo/insertions_per_traj" in r and "rapo/z_ret_mean" in r for r in rapo_log)
+    assert sum(r["rapo/insertions_per_traj"] for r in rapo_log) > 0
+    assert all("rapo/insertions_per_traj" not in r for r in world["arms"]["grpo"]["rl_log"])
     comps = {c["arms"]: c for c in res["comparisons"]}
-    assert set(comps) == {"rexrag - grpo", "rexrag - rexrag_nocorr", "rexrag_nocorr - grpo"}
+    assert set(comps) == {"rexrag - grpo", "rexrag - rexrag_nocorr", "rexrag_nocorr - grpo", "rapo - grpo"}
     c = comps["rexrag - grpo"]
     assert c["mean"] == pytest.approx(world["arms"]["rexrag"]["em_after"] - world["arms"]["grpo"]["em_after"])
     lo, hi = c["bootstrap_interval"]
@@ -84,7 +96,7 @@ def test_resume_reruns_only_the_unfinished_arm(quick, capsys):
     printed = capsys.readouterr().out
     assert "world 0        rexrag:" in printed and "grpo:" not in printed.split("\n\n")[0].split("world 0:")[-1]
     assert os.path.getmtime(grpo_dump) == mtime
-    assert set(json.load(open(out))["worlds"][0]["arms"]) == {"grpo", "rexrag_nocorr", "rexrag"}
+    assert set(json.load(open(out))["worlds"][0]["arms"]) == {"grpo", "rexrag_nocorr", "rexrag", "rapo"}
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -142,3 +154,25 @@ def test_paired_intervals_hand_computed(tmp_path):
     assert st["t_interval"] == pytest.approx([np.mean(diffs) - half, np.mean(diffs) + half])
     lo, hi = st["bootstrap_interval"]
     assert lo < np.mean(diffs) < hi and hi - lo < 2 * half  # question-level noise: narrower than t with df 2
+
+
+def test_warm_from_copies_a_finished_warm_start_and_refuses_other_settings(quick, tmp_path, capsys):
+    """--warm_from: the warm start is copied from the other run root (no SFT here: same EM before, the source
+    recorded); a source made with other warm-start settings is refused in one line, exit 2."""
+    rc, root, out = quick
+    capsys.readouterr()
+    new = str(tmp_path / "again")
+    assert replication.main(["--quick", "--seeds", "0", "--arms", "grpo", "--run_root", new, "--warm_from", root]) == 0
+    res = json.load(open(os.path.join(new, "results.json")))
+    src = json.load(open(out))
+    assert res["warm_from"]["0"]["run_root"] == os.path.abspath(root)
+    assert res["worlds"][0]["warm_start"]["em_before"] == src["worlds"][0]["warm_start"]["em_before"]
+    assert res["worlds"][0]["warm_start"]["probe_success"] == src["worlds"][0]["warm_start"]["probe_success"]
+    assert "== sft" not in capsys.readouterr().out  # not trained here
+    for f in ("config.json", "model.safetensors"):
+        a, b = (os.path.join(r, "seed0", "warm", "warmstart_model", f) for r in (new, root))
+        assert open(a, "rb").read() == open(b, "rb").read()
+    rc = replication.main(["--quick", "--seeds", "0", "--arms", "grpo", "--run_root", str(tmp_path / "other"),
+                           "--warm_from", root, "--gin_param", "DemoConfig.sft_steps = 3"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "other settings (sft_steps)" in err[0]
