@@ -27,6 +27,7 @@ RUN_DIR="${RUN_DIR:-}"
 GIN_FILES=()
 GIN_BINDINGS=()
 TRAIN_ENV=()
+COMPILE_CACHE="${COMPILE_CACHE:-}"
 RETRIEVER_INDEX="${RETRIEVER_INDEX:-}"
 RETRIEVER_GIN="${RETRIEVER_GIN:-}"
 RETRIEVER_PORT=8000
@@ -69,6 +70,9 @@ Common options:
   --gin-file F             (repeatable) trainer gin files, relative to the repo
   --gin-binding B          (repeatable) trainer gin bindings, e.g. "MAX_STEPS=1005"
   --env KEY=VALUE          (repeatable) environment for the trainer, e.g. LIBTPU_INIT_ARGS=...
+  --compile-cache D        persistent XLA compilation cache that every worker and every restart shares:
+                           gs://... or an absolute path, or "none" (env COMPILE_CACHE)
+                           [gs://<bucket of --run-dir>/rexrag_xla_cache]
   --retriever-index D      index dir built by `rexrag build-index`: a path on the worker, or gs://...
                            (synced to ~/rexrag_index first) (env RETRIEVER_INDEX)
   --retriever-gin F        extra gin file for `rexrag serve-retriever` (the index dir'"'"'s config.gin
@@ -169,7 +173,7 @@ parse_args() {
       --name|--zone|--project|--accelerator|--version|--qr-name|--valid-until|--network|--subnetwork|\
       --num-workers|--run-dir|--gin-file|--gin-binding|--retriever-gin|--retriever-port|--retriever-worker|\
       --retriever-url|--retriever-timeout|--retriever-index|--remote-dir|--venv|--jax-version|--ssh-flag|--log-dir|--retries|\
-      --retry-delay|--worker|--file|--lines|--poll|--assume-state|--env)
+      --retry-delay|--worker|--file|--lines|--poll|--assume-state|--env|--compile-cache)
         if (( ! has_inline )); then
           # A following flag is never a value: `--zone --dry-run` must not drop the --dry-run.
           if (($# < 2)) || [[ "$2" == --* ]]; then die "$flag needs a value (see --help)"; fi
@@ -192,6 +196,7 @@ parse_args() {
           --env)
             [[ "$value" =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || die "--env expects KEY=VALUE, got '$value'"
             TRAIN_ENV+=("$value") ;;
+          --compile-cache) COMPILE_CACHE="$value" ;;
           --retriever-gin) RETRIEVER_GIN="$value" ;;
           --retriever-index) RETRIEVER_INDEX="$value" ;;
           --retriever-port) RETRIEVER_PORT="$value" ;;
@@ -238,6 +243,15 @@ finalize_args() {
   [[ -n "$LOG_DIR" ]] || LOG_DIR="launch_logs/${NAME:-unnamed}"
   if [[ -n "$RUN_DIR" && "$RUN_DIR" != gs://* ]]; then
     die "--run-dir must be a GCS path (gs://bucket/run): every worker and a recreated VM must see it, got '$RUN_DIR'"
+  fi
+  # Outside the run dir on purpose: --overwrite replaces a run dir whole, and later runs of the same
+  # programs (same HLO, jax version and TPU type: the cache key) reuse the entries.
+  if [[ -z "$COMPILE_CACHE" && -n "$RUN_DIR" ]]; then
+    local bucket="${RUN_DIR#gs://}"
+    COMPILE_CACHE="gs://${bucket%%/*}/rexrag_xla_cache"
+  fi
+  if [[ -n "$COMPILE_CACHE" && "$COMPILE_CACHE" != none && "$COMPILE_CACHE" != gs://?* && "$COMPILE_CACHE" != /?* ]]; then
+    die "--compile-cache must be gs://bucket/path, an absolute path on every worker, or 'none', got '$COMPILE_CACHE'"
   fi
   return 0
 }
@@ -450,6 +464,10 @@ do_train() {
   local args=("${REMOTE_ARGS[@]}" --run-dir "$RUN_DIR" --retriever-url "$URL") g
   for g in "${GIN_FILES[@]}"; do args+=(--gin-file "$g"); done
   for g in "${GIN_BINDINGS[@]}"; do args+=(--gin-binding "$g"); done
+  if [[ -n "$COMPILE_CACHE" && "$COMPILE_CACHE" != none ]]; then
+    # every program over 1 s of compile (all the trainer's and the engine's at real shapes); a user --env wins
+    args+=(--env "JAX_COMPILATION_CACHE_DIR=$COMPILE_CACHE" --env "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1")
+  fi
   for g in "${TRAIN_ENV[@]}"; do args+=(--env "$g"); done
   tpu_ssh all "$(remote_script start_train.sh "${args[@]}")"
 }

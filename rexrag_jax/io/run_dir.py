@@ -33,7 +33,8 @@ deleted, then the fresh manifest is written; a crash in between leaves a manifes
 `prepare` refuses unless --overwrite (which finishes the job).
 
 Bindings that change no result (TrainConfig.debug_sleep_s, RolloutConfig.show_progress) are left out of
-the fingerprint, so a run paused by a test hook resumes without them.
+the fingerprint, so a run paused by a test hook resumes without them; so is the mesh (MESH_SHAPE,
+TrainConfig.mesh_shape): a run resumes on another slice shape.
 """
 from __future__ import annotations
 
@@ -48,7 +49,10 @@ from rexrag_jax.io import paths
 
 MANIFEST = "run.json"
 FORMAT = 1
-EXEMPT_BINDINGS = ("TrainConfig.debug_sleep_s", "RolloutConfig.show_progress")
+# The mesh is exempt too: a preempted run resumes on whatever slice it gets (checkpoints are restored into
+# the new mesh's shardings), and the math does not depend on it beyond float reduction order (about 1e-6).
+EXEMPT_BINDINGS = ("TrainConfig.debug_sleep_s", "RolloutConfig.show_progress", "TrainConfig.mesh_shape",
+                   "MESH_SHAPE")
 
 
 class RunDirError(ValueError):
@@ -302,7 +306,10 @@ def prepare(path: str, command: str, config: Mapping, *, overwrite: bool = False
     if m["finished"]:
         raise RunDirError(f"{where}: this run finished already; pass --overwrite to replace it, or pick another "
                           "--run_dir")
-    if m["fingerprint"] != fp:
+    old_config = m.get("config") if isinstance(m.get("config"), dict) else None
+    if m["fingerprint"] != fp and not (  # runs written before a binding became exempt (e.g. MESH_SHAPE)
+            old_config is not None and fingerprint({k: v for k, v in old_config.items()
+                                                    if k not in EXEMPT_BINDINGS}) == fp):
         raise RunDirError(f"{where}: an unfinished run with another configuration ({_diff(m.get('config') or {}, config)}); "
                           "pass --overwrite to replace it, or rerun with its configuration to resume")
     if on_unfinished == "restart":

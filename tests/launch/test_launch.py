@@ -165,12 +165,28 @@ def test_trainer_env_passthrough():
     out = dry("train.sh", *BASE, "--run-dir", "gs://b/r", "--gin-file", "g.gin", "--retriever-url", "http://h:1/retrieve",
               "--env", f"LIBTPU_INIT_ARGS={flags}")
     argv = remote_command(out[-1])
-    assert argv[argv.index("--env") + 1] == f"LIBTPU_INIT_ARGS={flags}"
+    envs = [argv[i + 1] for i, a in enumerate(argv) if a == "--env"]
+    # the compile cache in the run's bucket (outside the run dir), then the user's own environment
+    assert envs == ["JAX_COMPILATION_CACHE_DIR=gs://b/rexrag_xla_cache", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1",
+                    f"LIBTPU_INIT_ARGS={flags}"]
     cmd = shlex.split(dry("remote/start_train.sh", *argv[2:])[-1])
-    assert cmd[:4] == ["env", "REXRAG_RUN_DIR=gs://b/r", "REXRAG_RETRIEVER_URL=http://h:1/retrieve",
-                       f"LIBTPU_INIT_ARGS={flags}"]
+    assert cmd[:6] == ["env", "REXRAG_RUN_DIR=gs://b/r", "REXRAG_RETRIEVER_URL=http://h:1/retrieve", *envs]
     r = sh("train.sh", *BASE, "--env", "not an assignment", "--dry-run", check=False)
     assert r.returncode == 2 and "--env expects KEY=VALUE" in r.stderr
+
+
+@pytest.mark.parametrize("flag,expected", [(["--compile-cache", "gs://c/xla"], "gs://c/xla"),
+                                           (["--compile-cache", "/mnt/shared/xla"], "/mnt/shared/xla"),
+                                           (["--compile-cache", "none"], None)])
+def test_compile_cache_flag(flag, expected):
+    out = dry("train.sh", *BASE, "--run-dir", "gs://b/r/x", "--gin-file", "g.gin", "--retriever-url", "http://h:1/r", *flag)
+    argv = remote_command(out[-1])
+    envs = [argv[i + 1] for i, a in enumerate(argv) if a == "--env"]
+    caches = [e.split("=", 1)[1] for e in envs if e.startswith("JAX_COMPILATION_CACHE_DIR=")]
+    assert caches == ([expected] if expected else [])
+    r = sh("train.sh", *BASE, "--run-dir", "gs://b/r", "--gin-file", "g.gin", "--compile-cache", "rel/dir", "--dry-run",
+           check=False)
+    assert r.returncode == 2 and "--compile-cache must be" in r.stderr
 
 
 def test_remote_scripts_dry_run():
