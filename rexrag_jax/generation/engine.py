@@ -262,20 +262,25 @@ class GenerationEngine:
             left = max(len(pending[r]) - offset for r in rows)
             T = min(_pow2_at_least(left, 16), self.prefill_chunk)
             nb = min(_pow2_at_least(len(rows), self._dp), self.batch_size)
-            idx = rows + [r for r in range(self.batch_size) if r not in pending][: nb - len(rows)]
+            all_rows = nb == self.batch_size  # every row in row order: no gather/scatter of cache rows
+            if all_rows:
+                idx = list(range(self.batch_size))
+            else:
+                idx = rows + [r for r in range(self.batch_size) if r not in pending][: nb - len(rows)]
+            slot = {r: i for i, r in enumerate(idx)}
             tokens = np.full((nb, T), self.pad_id, np.int32)
             num_new = np.zeros(nb, np.int32)
-            for i, r in enumerate(rows):
+            for r in rows:
                 chunk = pending[r][offset: offset + T]
-                tokens[i, : len(chunk)] = chunk
-                num_new[i] = len(chunk)
+                tokens[slot[r], : len(chunk)] = chunk
+                num_new[slot[r]] = len(chunk)
             window = min(_window_at_least(int(self._lengths[idx].max()) + T, self.min_window), self.max_len)
             self._k, self._v, self._last_logits = kernels.prefill(
                 self._params, self._k, self._v, _dev(self._lengths), self._last_logits,
                 jnp.asarray(np.array(idx, np.int32)), jnp.asarray(tokens), jnp.asarray(num_new),
-                cfg=self.cfg, window=window, mesh=self.mesh, vocab_limit=self.vocab_limit)
-            for i, r in enumerate(rows):
-                self._lengths[r] += num_new[i]
+                cfg=self.cfg, window=window, mesh=self.mesh, vocab_limit=self.vocab_limit, all_rows=all_rows)
+            for r in rows:
+                self._lengths[r] += num_new[slot[r]]
                 self._has_logits[r] = True
             offset += T
             pending = {r: t for r, t in pending.items() if len(t) > offset}

@@ -40,24 +40,37 @@ def mask_vocab(logits, vocab_limit):
     return jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, jnp.finfo(logits.dtype).min)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "window", "mesh", "vocab_limit"), donate_argnums=(1, 2, 4))
+@functools.partial(jax.jit, static_argnames=("cfg", "window", "mesh", "vocab_limit", "all_rows"),
+                   donate_argnums=(1, 2, 4))
 def prefill(params, k, v, lengths, last_logits, idx, tokens, num_new, *, cfg, window, mesh=None,
-            vocab_limit=None):
+            vocab_limit=None, all_rows=False):
     """Append tokens [nb, T] to rows idx [nb] (row idx[i] takes its first num_new[i] tokens).
 
     Rows with num_new = 0 are untouched below their length (padded writes land beyond it). The
     logits after each row's last real token replace last_logits[row]; rows with num_new = 0 keep theirs.
+    all_rows=True: tokens/num_new have one row per cache row, in row order, and idx is ignored; no rows are
+    gathered or scattered, so on a batch-sharded mesh every device works on its own rows only (with
+    gathered rows, replicated indices on a batch-sharded cache make the partitioner all-gather the WHOLE
+    k and v on every device: 439 GiB of temporaries at Qwen2.5-0.5B, 2560 rows, fsdp=8).
     Returns (k, v, last_logits).
     """
     with _mesh_ctx(mesh):
         # only the nb rows' windows are gathered and scattered back (in place, k/v are donated), not the
         # window of all B rows: copying [L,B,window,...] twice cost ~6x the whole 16-token append at 1.5k slots
         w = min(window, k.shape[2])
-        sub = {"k": k[:, idx, :w], "v": v[:, idx, :w], "lengths": lengths[idx]}
+        if all_rows:
+            sub = {"k": k[:, :, :w], "v": v[:, :, :w], "lengths": lengths}
+        else:
+            sub = {"k": k[:, idx, :w], "v": v[:, idx, :w], "lengths": lengths[idx]}
         hidden, sub = qwen2.forward(params, tokens, cfg, cache=sub, num_new=num_new, return_hidden=True)
         last = jnp.maximum(num_new - 1, 0)
         h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)  # [nb, 1, D]
         logits = mask_vocab(logits_from_hidden(params, h_last, cfg)[:, 0], vocab_limit)
+        if all_rows:
+            new_rows = jnp.where((num_new > 0)[:, None], logits, last_logits)
+            if w == k.shape[2]:
+                return sub["k"], sub["v"], new_rows
+            return k.at[:, :, :w].set(sub["k"]), v.at[:, :, :w].set(sub["v"]), new_rows
         new_rows = jnp.where((num_new > 0)[:, None], logits, last_logits[idx])
         return (k.at[:, idx, :w].set(sub["k"]), v.at[:, idx, :w].set(sub["v"]),
                 last_logits.at[idx].set(new_rows))

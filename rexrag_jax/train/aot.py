@@ -158,8 +158,10 @@ def lower_program(name: str, cfg: Qwen2Config, mesh, shapes: AotShapes, optimize
             idx = jax.ShapeDtypeStruct((nb,), jnp.int32, sharding=rep)
             tokens = jax.ShapeDtypeStruct((nb, T), jnp.int32, sharding=rep)
             num_new = jax.ShapeDtypeStruct((nb,), jnp.int32, sharding=rep)
+            # every row at once, as the engine issues it when all rows have tokens (all_rows: no row gather)
             return kernels.prefill.lower(p, k, k, lengths, logits, idx, tokens, num_new, cfg=cfg,
-                                         window=shapes.engine_len, mesh=mesh, vocab_limit=None)
+                                         window=shapes.engine_len, mesh=mesh, vocab_limit=None,
+                                         all_rows=nb == shapes.engine_rows)
         if name == "decode":
             from rexrag_jax.generation import kernels
             p, k, lengths, logits, rep = _engine_common(cfg, mesh, shapes, shardings)
