@@ -29,6 +29,10 @@ the code commit and the settings; another commit or other settings are refused u
 --warm_from OTHER_RUN_ROOT: a world whose warm start is not in RUN_ROOT yet takes a copy of OTHER_RUN_ROOT's
 (finished, same warm-start settings) instead of training it again; the source and its commit are recorded.
 
+--breakdown: read an existing RUN_ROOT and print, per world, warm start and arm, EM on trap / other
+questions, how often the greedy policy writes a revision prompt itself, and searches per question (also
+printed at the end of every run and stored per arm as "behaviour").
+
 Statistics: paired differences (arm B - arm A on the same world and questions) with two 95% intervals,
   t over worlds          mean ± t_{n-1, 0.975} · sd / sqrt(n) of the per-world differences;
   bootstrap              worlds resampled with replacement, then questions within each world (2,000
@@ -230,6 +234,50 @@ def paired_stats(results: dict, a: str, b: str, run_root: str, draws: int = 2000
     return out
 
 
+def behaviour_breakdown(world, trap_relations, eval_path: str) -> dict:
+    """What the greedy held-out rollouts of `eval_path` do (in points / per question):
+    em_trap / em_other   EM on questions whose chain has a trap relation after the first hop (the warm
+                         start's dead ends) and on the others;
+    self_reflect         share of responses in which the policy itself wrote a revision prompt of the pool
+                         (REX-RAG pays off at test time only through this: no prompt is inserted there);
+    searches_per_q       <search> calls per question."""
+    from rexrag_jax.data.warmstart import has_trap
+    from rexrag_jax.rl.prompt_pool import DEFAULT_REVISION_PROMPTS
+
+    phrases = [p.replace("<think>", "").strip()[:30] for p in DEFAULT_REVISION_PROMPTS]
+    phrases.append("Perhaps I've overlooked")  # the warm-start records' revision prompt
+    by_id = {e.id: e for e in world.test}
+    recs = [json.loads(line) for line in open(eval_path)]
+    trap = np.array([has_trap(world, by_id[r["id"]], trap_relations) for r in recs], bool)
+    em = np.array([r["em"] for r in recs], float)
+    refl = np.array([any(p in r["response"] for p in phrases) for r in recs], bool)
+    mean = lambda x: float(100 * x.mean()) if x.size else float("nan")  # noqa: E731
+    return {"em_trap": mean(em[trap]), "em_other": mean(em[~trap]), "n_trap": int(trap.sum()),
+            "self_reflect": mean(refl), "em_when_self_reflecting": mean(em[refl]),
+            "searches_per_q": float(np.mean([r["response"].count("<search>") for r in recs])) if recs else float("nan")}
+
+
+def breakdown_lines(results: dict, run_root: str, cfg) -> list[str]:
+    """Per world, warm start and arm: behaviour_breakdown of their held-out dumps (stored in results)."""
+    from rexrag_jax.data.synthetic_world import generate_world
+    from rexrag_jax.data.warmstart import pick_trap_relations
+
+    lines = [f"{'world':>6} {'policy':>14} {'EM trap':>8} {'EM other':>9} {'self-reflect':>13} {'searches/q':>11}"]
+    for w in results["worlds"]:
+        world = generate_world(demo.world_config(cfg, w["seed"]))
+        traps = pick_trap_relations(w["seed"], cfg.num_trap_relations)
+        base = os.path.join(run_root, f"seed{w['seed']}")
+        dumps = [("warm start", os.path.join(base, "warm", "eval_warmstart.jsonl"), w.setdefault("warm_start", {}))]
+        dumps += [(a, os.path.join(base, a, "eval_rl.jsonl"), w["arms"][a]) for a in w["arms"]]
+        for name, path, into in dumps:
+            if not os.path.exists(path):
+                continue
+            b = into["behaviour"] = behaviour_breakdown(world, traps, path)
+            lines.append(f"{w['seed']:>6} {name:>14} {b['em_trap']:8.1f} {b['em_other']:9.1f} {b['self_reflect']:12.1f}% "
+                         f"{b['searches_per_q']:11.2f}")
+    return lines
+
+
 def summarize(results: dict, run_root: str, arms: list[str]) -> list[str]:
     lines = [f"{'world':>6} {'before':>7} " + " ".join(f"{a:>14}" for a in arms)
              + f" {'probe/fresh at warm start':>27}"]
@@ -336,7 +384,7 @@ def run(args) -> int:
             save()
             print(f"world {seed} {arm:>13}: EM {world['arms'][arm]['em_before']:.1f} -> {world['arms'][arm]['em_after']:.1f} "
                   f"({world['arms'][arm]['seconds']:.0f}s)", flush=True)
-    lines = summarize(results, args.run_root, arms)
+    lines = summarize(results, args.run_root, arms) + [""] + breakdown_lines(results, args.run_root, cfg)
     save()
     print("\n" + "\n".join(lines))
     print(f"\ntotal wall {results['wall_seconds']:.0f}s; results: {os.path.join(args.run_root, 'results.json')}"
@@ -356,8 +404,17 @@ def main(argv=None) -> int:
     p.add_argument("--overwrite", action="store_true", help="start RUN_ROOT afresh (other commit or settings)")
     p.add_argument("--warm_from", default=None, help="copy finished warm starts from this replication run root "
                                                       "(same warm-start settings) instead of training them")
+    p.add_argument("--breakdown", action="store_true",
+                   help="only read RUN_ROOT (any commit): print EM on trap / other questions, self-reflection "
+                        "and searches per question of every warm start and arm, from their held-out dumps")
     p.add_argument("--command", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.breakdown:
+        with open(os.path.join(args.run_root, "results.json")) as f:
+            results = json.load(f)
+        cfg = demo.parse_config(args.gin_file, args.gin_param or [], args.quick, defaults=REPLICATION_DEFAULTS)
+        print("\n".join(breakdown_lines(results, args.run_root, cfg)))
+        return 0
     try:
         return run(args)
     except BadInput as e:

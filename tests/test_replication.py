@@ -72,6 +72,15 @@ def test_quick_replication_writes_the_json_shape(quick, capsys):
     manifest = json.load(open(os.path.join(root, "seed0", "warm", "trace_buffer", "manifest.json")))
     assert (manifest["n"], manifest["k"]) == (4, 1) and manifest["policy"]["kind"] == "solver"
     assert manifest["counts"]["questions"] == replication.demo.QUICK_OVERRIDES["sft_examples"]
+    # greedy held-out behaviour per arm: EM on trap / other questions (weighted back to the overall EM)
+    for arm in world["arms"].values():
+        b = arm["behaviour"]
+        assert 0.0 <= b["self_reflect"] <= 100.0 and b["searches_per_q"] >= 0 and 0 <= b["n_trap"]
+    recs = [json.loads(line) for line in open(os.path.join(root, "seed0", "grpo", "eval_rl.jsonl"))]
+    b = world["arms"]["grpo"]["behaviour"]
+    n_trap = b["n_trap"]
+    overall = (b["em_trap"] * n_trap if n_trap else 0.0) + (b["em_other"] * (len(recs) - n_trap) if n_trap < len(recs) else 0.0)
+    assert overall / len(recs) == pytest.approx(100 * np.mean([r["em"] for r in recs]))
     rapo_log = world["arms"]["rapo"]["rl_log"]
     assert all("rapo/insertions_per_traj" in r and "rapo/z_ret_mean" in r for r in rapo_log)
     assert sum(r["rapo/insertions_per_traj"] for r in rapo_log) > 0

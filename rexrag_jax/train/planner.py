@@ -192,6 +192,7 @@ class PlanInputs:
     reference_model: bool = True
     logprob_chunk: int | None = None
     cache_len: int | None = None  # engine KV slots: RolloutConfig.max_context + max_new_tokens (None: MAX_SEQ_LEN)
+    prefill_chunk: int = 512      # GenerationEngine.prefill_chunk: tokens per append call (PREFILL_CHUNK)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,9 +294,11 @@ def program_bytes(inp: PlanInputs) -> dict[str, int]:
                + 4·S (scores, masked scores, softmax and its gradient of the layer being differentiated)
                + L·b·T·D·4 (the remat scan's saved layer inputs, float32) + W
       logprob  P + tokens + 3·S (forward: scores, masked, softmax) + E (hoisted out of the chunk loop) + W
-      prefill  P + KV + G + 3·K_all + 2·K (the engine gathers rows by replicated indices, so the partitioner
-               all-gathers the whole cache, every row of every device; K_all = all rows of k, K = this
-               device's k, both float32 as XLA:CPU holds them)
+      prefill  P + KV + G + 3·A, A = 4·b_e·H·C·N (one float32 [b_e, H, C, N] score buffer of the append
+               chunk: b_e = engine rows per device, C = PREFILL_CHUNK tokens, N = the engine's window);
+               the largest append covers every row, which kernels.prefill(all_rows=True) does without
+               gathering rows (before it, replicated row indices made the partitioner all-gather the whole
+               cache on every device: 3 float32 copies of all rows, 439 GiB at 0.5B fsdp=8)
       decode   P + KV + G + 2·KV (the while loop's copies of k and v) + 5·G + V·D·pb (the lm_head or
                tied embedding gathered whole over fsdp in the param dtype: what dominates at fsdp >= 128)
 
@@ -324,10 +327,7 @@ def program_bytes(inp: PlanInputs) -> dict[str, int]:
     rows, slots = engine_rows(inp), engine_len(inp)
     kv = kv_cache_bytes(cfg, rows, slots, mesh)
     logits = -(-rows // ways) * V * 4
-    beta = DTYPE_BYTES[cfg.dtype]
-    k_all_f32 = kv_cache_bytes(cfg, rows, slots, {"data": 1, "fsdp": 1, "tensor": tensor}) // 2 * 4 // beta
-    k_f32 = kv // 2 * 4 // beta  # this device's k (or v) in float32
-    prefill = P + kv + logits + 3 * k_all_f32 + 2 * k_f32
+    prefill = P + kv + logits + 3 * 4 * -(-rows // ways) * H * inp.prefill_chunk * slots
     decode = P + kv + logits + 2 * kv + 5 * logits + V * D * pb  # + the lm_head / embedding gathered whole
     return {"update": update, "logprob": logprob, "prefill": prefill, "decode": decode}
 
@@ -433,9 +433,6 @@ def format_programs(plan: MemoryPlan) -> list[str]:
         fix = smallest_fix(inp, prog, plan.hbm_bytes)
         if fix:
             lines.append(f"  {'':9s} smallest change that fits: {fix}")
-    if program_bytes(inp)["prefill"] > 2 * (kv_cache_bytes(inp.cfg, engine_rows(inp), engine_len(inp), inp.mesh)):
-        lines.append("  note: prefill gathers the engine's KV rows by replicated indices, which the partitioner "
-                     "turns into an all-gather of the whole cache on every device (generation/kernels.prefill)")
     return lines
 
 
