@@ -36,6 +36,7 @@ from typing import Sequence
 
 import gin
 import numpy as np
+from rexrag_jax.config.cli_style import conventional
 
 HOP_SOURCES = ("synth_1hop", "synth_2hop", "synth_3hop")
 
@@ -647,9 +648,9 @@ def eval_main(argv) -> int:
     p.add_argument("--data", nargs="+", required=True, help="benchmark files or directories")
     p.add_argument("--topk", type=int, default=DemoConfig().topk,
                    help="passages per search (default: the demo's training value, DemoConfig.topk)")
-    p.add_argument("--max_turns", type=int, default=DemoConfig().max_turns)
-    p.add_argument("--batch_size", type=int, default=32)
-    args, rest = p.parse_known_args(argv)  # `rexrag eval` checks the rest (a retriever is required there)
+    p.add_argument("--max_turns", type=int, default=DemoConfig().max_turns, help="search/answer turns per question")
+    p.add_argument("--batch_size", type=int, default=32, help="questions per rollout batch")
+    args, rest = conventional(p).parse_known_args(argv)  # `rexrag eval` checks the rest (a retriever is required there)
     return eval_cli.main(["--data", *args.data, "--checkpoint", args.model, "--topk", str(args.topk),
                           "--max-turns", str(args.max_turns), "--batch-size", str(args.batch_size), *rest])
 
@@ -705,15 +706,15 @@ def main(argv=None) -> int:
         return eval_main(argv[1:])
     p = argparse.ArgumentParser(prog="rexrag demo", description=__doc__.split("\n")[0],
                                 epilog="`rexrag demo eval --help`: evaluate an exported policy on QA files")
-    p.add_argument("--run_dir", default="runs/demo")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--run_dir", default="runs/demo", help="where the world, index, models, logs and exports go")
+    p.add_argument("--seed", type=int, default=0, help="world + model seed (a new seed is a new synthetic world)")
     p.add_argument("--quick", action="store_true", help="~2-minute smoke version (tiny world, few steps)")
-    p.add_argument("--gin_file", action="append", default=[])
+    p.add_argument("--gin_file", action="append", default=[], help="gin file(s) binding DemoConfig (default: gin/demo.gin)")
     p.add_argument("--gin_param", action="append", default=[], help="e.g. 'DemoConfig.rl_steps = 40'")
-    p.add_argument("--no_progress", action="store_true")
+    p.add_argument("--no_progress", action="store_true", help="no progress bars")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a finished run dir, or one made with another configuration, whole")
-    args = p.parse_args(argv)
+    args = conventional(p).parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     enable_compile_cache()

@@ -22,6 +22,7 @@ import sys
 from rexrag_jax.evaluation.dumps import read_trajectory_dump
 from rexrag_jax.evaluation.runner import build_generate_fn, evaluate, write_jsonl_atomic
 from rexrag_jax.evaluation.scoring import format_table, score_and_summarize
+from rexrag_jax.config.cli_style import conventional
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,8 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--summary-json", help="write the per-source summary here (json)")
     p.add_argument("--limit", type=int, help="first N questions of each file (--data)")
     p.add_argument("--skip-bad-rows", action="store_true", help="skip and count unmappable rows (--data)")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--batch-size", type=int, default=64, help="questions per rollout batch (--data)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     model = p.add_argument_group("model (--data)")
     model.add_argument("--checkpoint", help="policy: HF-format Qwen2 dir (config.json + safetensors) or a "
                                             "`rexrag train` run dir (latest orbax step)")
@@ -60,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("--max-context", "--max_context", dest="max_context", type=int, default=None,
                        help="rolling context, left-truncated beyond; with --max-new-tokens at most the model's "
                             "max_position_embeddings" + run % 4096)
-    return p
+    return conventional(p)
 
 
 def _load_examples(args):

@@ -11,6 +11,7 @@ import time
 
 import jax
 import numpy as np
+from rexrag_jax.config.cli_style import conventional
 
 
 def _parse(argv):
@@ -20,15 +21,15 @@ def _parse(argv):
     ap.add_argument("--preset", default="tiny", help="random-weight model preset when no --checkpoint")
     ap.add_argument("--prompt", default="Answer the given question. Question: who wrote Hamlet?\n",
                     help="prompt text (with --checkpoint); random token ids otherwise")
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=4, help="rows sampled at once (the same prompt)")
     ap.add_argument("--new", type=int, default=64, help="max new tokens per row")
-    ap.add_argument("--max-len", type=int, default=1024)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--greedy", action="store_true")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--decode-chunk", type=int, default=16)
-    return ap.parse_args(argv)
+    ap.add_argument("--max-len", type=int, default=1024, help="KV cache slots per row")
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0: off)")
+    ap.add_argument("--greedy", action="store_true", help="argmax decoding instead of sampling")
+    ap.add_argument("--seed", type=int, default=0, help="sampling (and random-init) seed")
+    ap.add_argument("--decode-chunk", type=int, default=16, help="decode steps per jitted call")
+    return conventional(ap).parse_args(argv)
 
 
 def main(argv=None) -> int:

@@ -23,6 +23,7 @@ import sys
 import time
 
 from rexrag_jax.rapo.static_buffer import Candidate, TraceBufferError, build_trace_buffer, questions_fingerprint
+from rexrag_jax.config.cli_style import conventional
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,37 +32,37 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="buffer directory (local or gs://)")
     p.add_argument("--n", type=int, default=16, help="trajectories sampled per question (paper: 16)")
     p.add_argument("--k", type=int, default=5, help="top trajectories kept per question by reward (paper: 5)")
-    p.add_argument("--policy", choices=("checkpoint", "solver"), default="checkpoint")
+    p.add_argument("--policy", choices=("checkpoint", "solver"), default="checkpoint", help="the stronger agent: a trained policy (--checkpoint) or the synthetic world's noisy solver")
     p.add_argument("--checkpoint", help="stronger policy: a `rexrag train` run dir or an HF-format Qwen2 dir")
     p.add_argument("--noise", type=float, default=0.3, help="--policy solver: early-answer probability per hop")
     p.add_argument("--limit", type=int, help="first N questions only (the world id still covers the whole file)")
     p.add_argument("--shard-size", type=int, default=64, help="questions per shard (the unit of resumption)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--min-reward", type=float, default=None,
                    help="drop kept trajectories below this reward (default: none, the paper's top-K)")
     p.add_argument("--structure-format-score", type=float, default=0.0, help="reward format bonus (SPEC §2)")
     p.add_argument("--overwrite", action="store_true", help="rebuild a finished buffer / a partial one with "
                                                              "other settings")
     p.add_argument("--history-chars", type=int, default=1000, help="key history tail (HybridConfig.history_chars)")
-    p.add_argument("--encoder-max-length", type=int, default=256)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--encoder-max-length", type=int, default=256, help="MiniLM tokens per buffer key")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     m = p.add_argument_group("model and retriever (as rexrag eval)")
-    m.add_argument("--tokenizer")
-    m.add_argument("--gin-file", action="append", default=[])
-    m.add_argument("--gin-param", action="append", default=[])
-    m.add_argument("--retriever-url", "--retriever_url", dest="retriever_url")
-    m.add_argument("--corpus")
-    m.add_argument("--index-dir", "--index_dir", dest="index_dir")
+    m.add_argument("--tokenizer", help="tokenizer.json / SentencePiece model (default: the checkpoint's)")
+    m.add_argument("--gin-file", action="append", default=[], help="gin file(s) of a train run dir checkpoint")
+    m.add_argument("--gin-param", action="append", default=[], help="gin binding(s), repeatable")
+    m.add_argument("--retriever-url", "--retriever_url", dest="retriever_url", help="Search-R1 /retrieve URL (else --corpus / --index-dir)")
+    m.add_argument("--corpus", help="corpus jsonl for an in-process MiniLM retriever")
+    m.add_argument("--index-dir", "--index_dir", dest="index_dir", help="index dir of `rexrag build-index` for the in-process retriever")
     m.add_argument("--lexical", action="store_true", help="exact lexical retriever over --corpus (synthetic world)")
-    m.add_argument("--topk", type=int, default=3)
-    m.add_argument("--max-turns", type=int, default=5)
-    m.add_argument("--max-new-tokens", type=int, default=500)
-    m.add_argument("--max-obs-tokens", type=int, default=500)
-    m.add_argument("--max-context", type=int, default=4096)
-    m.add_argument("--temperature", type=float, default=1.0)
-    m.add_argument("--top-p", type=float, default=1.0)
+    m.add_argument("--topk", type=int, default=3, help="passages per search")
+    m.add_argument("--max-turns", type=int, default=5, help="turns per trajectory")
+    m.add_argument("--max-new-tokens", type=int, default=500, help="tokens generated per turn")
+    m.add_argument("--max-obs-tokens", type=int, default=500, help="observation tokens kept per search")
+    m.add_argument("--max-context", type=int, default=4096, help="context tokens per trajectory")
+    m.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    m.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     m.add_argument("--batch-size", type=int, default=64, help="engine rows (a multiple of --n)")
-    return p
+    return conventional(p)
 
 
 class RolloutSampler:

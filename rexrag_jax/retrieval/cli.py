@@ -30,6 +30,7 @@ from rexrag_jax.io import paths
 from rexrag_jax.retrieval.index import Index, IndexExistsError, build_index, check_output_dir, local_dir_of
 from rexrag_jax.retrieval.retriever import LocalRetriever
 from rexrag_jax.retrieval.server import ServerLimits, serve
+from rexrag_jax.config.cli_style import conventional
 
 
 @gin.configurable("encoder", module="retrieval")
@@ -74,7 +75,7 @@ def _parse(argv, prog, extra):
                    action="append", default=[], help="gin binding (repeatable; default: none)")
     for args, kw in extra:
         p.add_argument(*args, **kw)
-    return p.parse_args(argv)
+    return conventional(p).parse_args(argv)
 
 
 class ConfigError(ValueError):
@@ -123,7 +124,7 @@ def build_index_main(argv=None) -> int:
         (("--index_dir",), dict(help="output index directory (= retrieval.build.index_dir)")),
         (("--overwrite",), dict(action="store_true", help="replace a finished index at --index_dir (default: off, "
                                                           "refused); build-index also discards a partial build")),
-        (("--quiet",), dict(action="store_true"))])
+        (("--quiet",), dict(action="store_true", help="no progress bar"))])
     bindings = list(a.gin_bindings)
     if a.corpus:
         bindings.append(f"retrieval.build.corpus_path = {_gin_str(a.corpus)}")
@@ -156,7 +157,7 @@ def merge_index_main(argv=None) -> int:
                                    help="part corpus files, if they moved since the parts were built")),
         (("--overwrite",), dict(action="store_true", help="replace a finished index at --index_dir (default: off, "
                                                           "refused); build-index also discards a partial build")),
-        (("--quiet",), dict(action="store_true"))])
+        (("--quiet",), dict(action="store_true", help="no progress bar"))])
     _parse_gin(a.gin_file, a.gin_bindings)
 
     def bound(name, default):
@@ -183,9 +184,9 @@ def merge_index_main(argv=None) -> int:
 @_remote_errors_exit_2("rexrag serve-retriever")
 def serve_main(argv=None) -> int:
     a = _parse(argv, "rexrag serve-retriever", [
-        (("--index_dir",), dict(required=True)),
+        (("--index_dir",), dict(required=True, help="index directory written by `rexrag build-index`")),
         (("--host",), dict(default=None, help="bind address (default 127.0.0.1)")),
-        (("--port",), dict(type=int, default=None))])
+        (("--port",), dict(type=int, default=None, help="port to listen on (default: retrieval.server port, 8000)"))])
     local = local_dir_of(a.index_dir)  # a gs:// index: its local cache copy (downloaded when stale)
     files = [f for f in [os.path.join(local, "config.gin")] if os.path.isfile(f)] + a.gin_file
     bindings = list(a.gin_bindings)

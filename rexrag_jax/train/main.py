@@ -28,6 +28,7 @@ import sys
 import gin
 
 from rexrag_jax.config import GIN_DIR, parse_gin  # noqa: F401  (parse_gin: re-exported for callers)
+from rexrag_jax.config.cli_style import conventional
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--overwrite", action="store_true",
                     help="replace a finished run, or an unfinished one with other bindings, in --run_dir "
                          "(default: off; such run dirs are refused and a compatible unfinished run resumes)")
-    return ap
+    return conventional(ap)
 
 
 def write_text_atomic(path: str, text: str) -> None:

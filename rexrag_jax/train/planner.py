@@ -47,6 +47,7 @@ from typing import Sequence
 
 from rexrag_jax.models.qwen2.config import Qwen2Config
 from rexrag_jax.sharding.rules import LOGICAL_AXIS_RULES, MESH_AXES, spec_for_shape
+from rexrag_jax.config.cli_style import conventional
 
 GiB = 1024 ** 3
 
@@ -579,18 +580,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", default="data=1,fsdp=8,tensor=1", help="mesh axis sizes [data=1,fsdp=8,tensor=1]")
     p.add_argument("--tpu", default="v5e-8", help="TPU type: v4-8, v5e-8, v5p-8, v6e-8, ... [v5e-8]")
     p.add_argument("--preset", help="model preset (else %%MODEL_PRESET / model_config.preset)")
-    p.add_argument("--max_seq_len", type=int)
-    p.add_argument("--rollout_batch", type=int)
-    p.add_argument("--mini_batch", type=int)
-    p.add_argument("--micro_batch", type=int)
-    p.add_argument("--param_dtype", choices=sorted(DTYPE_BYTES))
+    p.add_argument("--max_seq_len", type=int, help="training sequence length (default: MAX_SEQ_LEN of the gin files)")
+    p.add_argument("--rollout_batch", type=int, help="rollout rows per step (default: ROLLOUT_BATCH)")
+    p.add_argument("--mini_batch", type=int, help="rows per optimizer step (default: MINI_BATCH)")
+    p.add_argument("--micro_batch", type=int, help="rows per forward/backward pass (default: MICRO_BATCH)")
+    p.add_argument("--param_dtype", choices=sorted(DTYPE_BYTES), help="parameter dtype (default: model_config.param_dtype)")
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), help="compute / activation dtype")
-    p.add_argument("--remat", choices=("on", "off"))
+    p.add_argument("--remat", choices=("on", "off"), help="per-layer rematerialisation (default: model_config.remat)")
     p.add_argument("--logprob_chunk", type=int, help="tokens per chunk of the log-prob pass (0 = full logits)")
     p.add_argument("--no_reference", action="store_true", help="no reference policy (KL coefficient 0)")
     p.add_argument("--check", action="store_true", help="exit 1 when the plan does not fit")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (bytes per device)")
-    return p
+    return conventional(p)
 
 
 def plan_from_args(argv: Sequence[str]) -> tuple[MemoryPlan, argparse.Namespace]:
