@@ -295,8 +295,10 @@ def program_bytes(inp: PlanInputs) -> dict[str, int]:
                + 4·S (scores, masked scores, softmax and its gradient of the layer being differentiated)
                + L·b·T·D·4 (the remat scan's saved layer inputs, float32) + W
       logprob  P + tokens + 3·S (forward: scores, masked, softmax) + E (hoisted out of the chunk loop) + W
-      prefill  P + KV + G + 3·A, A = 4·b_e·H·C·N (one float32 [b_e, H, C, N] score buffer of the append
-               chunk: b_e = engine rows per device, C = PREFILL_CHUNK tokens, N = the engine's window);
+      prefill  P + KV + G + 3·A + 5·G + E + W + 3·b_e·C·D·2, A = 4·b_e·H·C·N (one float32 [b_e, H, C, N]
+               score buffer of the append chunk: b_e = engine rows per device, C = PREFILL_CHUNK tokens,
+               N = the engine's window; then the float32 logits copies as in decode, the gathered lm_head
+               and one layer's kernels as in logprob, and three 16-bit [b_e, C, D] hidden buffers);
                the largest append covers every row, which kernels.prefill(all_rows=True) does without
                gathering rows (before it, replicated row indices made the partitioner all-gather the whole
                cache on every device: 3 float32 copies of all rows, 439 GiB at 0.5B fsdp=8)
@@ -328,7 +330,8 @@ def program_bytes(inp: PlanInputs) -> dict[str, int]:
     rows, slots = engine_rows(inp), engine_len(inp)
     kv = kv_cache_bytes(cfg, rows, slots, mesh)
     logits = -(-rows // ways) * V * 4
-    prefill = P + kv + logits + 3 * 4 * -(-rows // ways) * H * inp.prefill_chunk * slots
+    b_e, C = -(-rows // ways), inp.prefill_chunk
+    prefill = P + kv + logits + 3 * 4 * b_e * H * C * slots + 5 * logits + E + W + 3 * b_e * C * D * 2
     decode = P + kv + logits + 2 * kv + 5 * logits + V * D * pb  # + the lm_head / embedding gathered whole
     return {"update": update, "logprob": logprob, "prefill": prefill, "decode": decode}
 

@@ -50,8 +50,10 @@ def test_program_bytes_by_hand():
     kv = 2 * (1 * 2 * 12 * 1 * 8) * 2             # k + v, 2 of 4 rows per device, bf16
     logits = 2 * 64 * 4
     assert got["decode"] == P + kv + logits + 2 * kv + 5 * logits + 64 * 16 * 4
-    # 3 float32 [b_e=2, H=2, C=512, N=12] score buffers of the all-rows append chunk
-    assert got["prefill"] == P + kv + logits + 3 * (4 * 2 * 2 * 512 * 12)
+    # 3 float32 [b_e=2, H=2, C=512, N=12] score buffers of the all-rows append chunk, 5 logits copies, the
+    # gathered embedding (bf16) and one layer's kernels (f32), three bf16 [b_e=2, C=512, D=16] hidden buffers
+    assert got["prefill"] == (P + kv + logits + 3 * (4 * 2 * 2 * 512 * 12) + 5 * logits + 64 * 16 * 2 + W
+                              + 3 * 2 * 512 * 16 * 2)
 
 
 def test_plan_says_what_does_not_fit_and_the_change_that_fits(capsys):
