@@ -245,7 +245,7 @@ def behaviour_breakdown(world, trap_relations, eval_path: str) -> dict:
     from rexrag_jax.rl.prompt_pool import DEFAULT_REVISION_PROMPTS
 
     phrases = [p.replace("<think>", "").strip()[:30] for p in DEFAULT_REVISION_PROMPTS]
-    phrases.append("Perhaps I've overlooked")  # the warm-start records' revision prompt
+    phrases.append("Perhaps I've overlooked")  # the revision prompt of rexrag_jax.data.warmstart's docstring
     by_id = {e.id: e for e in world.test}
     recs = [json.loads(line) for line in open(eval_path)]
     trap = np.array([has_trap(world, by_id[r["id"]], trap_relations) for r in recs], bool)
@@ -320,11 +320,15 @@ def summarize(results: dict, run_root: str, arms: list[str]) -> list[str]:
     return lines
 
 
+def replication_config(args):
+    """REPLICATION_DEFAULTS < --quick sizes (plumbing only) < the user's --gin_file/--gin_param bindings."""
+    return demo.parse_config(args.gin_file, args.gin_param or [], args.quick, defaults=REPLICATION_DEFAULTS)
+
+
 def run(args) -> int:
     seeds, arms = parse_seeds(args.seeds), parse_arms(args.arms)
     demo.enable_compile_cache()
-    # REPLICATION_DEFAULTS < --quick sizes (plumbing only) < the user's --gin_file/--gin_param bindings
-    cfg = demo.parse_config(args.gin_file, args.gin_param or [], args.quick, defaults=REPLICATION_DEFAULTS)
+    cfg = replication_config(args)
     command = " ".join(["python", "benchmarks/replication.py", *sys.argv[1:]]) if args.command is None else args.command
     manifest = {"commit": code_commit(), "config": dataclasses.asdict(cfg)}
     results = open_run_root(args.run_root, manifest, args.overwrite)
@@ -412,8 +416,7 @@ def main(argv=None) -> int:
     if args.breakdown:
         with open(os.path.join(args.run_root, "results.json")) as f:
             results = json.load(f)
-        cfg = demo.parse_config(args.gin_file, args.gin_param or [], args.quick, defaults=REPLICATION_DEFAULTS)
-        print("\n".join(breakdown_lines(results, args.run_root, cfg)))
+        print("\n".join(breakdown_lines(results, args.run_root, replication_config(args))))
         return 0
     try:
         return run(args)

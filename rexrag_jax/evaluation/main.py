@@ -43,22 +43,22 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("--checkpoint", help="policy: HF-format Qwen2 dir (config.json + safetensors) or a "
                                             "`rexrag train` run dir (latest orbax step)")
     model.add_argument("--tokenizer", help="tokenizer path (default: from the checkpoint)")
-    model.add_argument("--gin-file", "--gin_file", dest="gin_file", action="append", default=[],
+    model.add_argument("--gin-file", dest="gin_file", action="append", default=[],
                        help="gin config(s) of the run (default: the run dir's policy.json / operative_config.gin)")
-    model.add_argument("--gin-param", "--gin_param", "--gin_bindings", "--gin-bindings", dest="gin_param",
+    model.add_argument("--gin-param", "--gin-bindings", dest="gin_param",
                        action="append", default=[], help="gin binding override(s) (default: none)")
-    model.add_argument("--retriever-url", "--retriever_url", dest="retriever_url",
+    model.add_argument("--retriever-url", dest="retriever_url",
                        help="Search-R1 POST /retrieve server (e.g. http://127.0.0.1:8000/retrieve)")
     model.add_argument("--corpus", help="corpus jsonl for the in-process MiniLM retriever (instead of --retriever-url)")
-    model.add_argument("--index-dir", "--index_dir", dest="index_dir",
+    model.add_argument("--index-dir", dest="index_dir",
                        help="index cache for --corpus (default: ~/.cache/rexrag_jax/eval_index/<corpus>)")
     run = " (default: the value a run dir trained with, else %s)"
     model.add_argument("--topk", type=int, default=None, help="passages per search" + run % 3)
-    model.add_argument("--max-turns", "--max_turns", dest="max_turns", type=int, default=None,
+    model.add_argument("--max-turns", dest="max_turns", type=int, default=None,
                        help="search-enabled turns" + run % 5)
-    model.add_argument("--max-new-tokens", "--max_new_tokens", dest="max_new_tokens", type=int, default=None,
+    model.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=None,
                        help="tokens per turn" + run % 500)
-    model.add_argument("--max-context", "--max_context", dest="max_context", type=int, default=None,
+    model.add_argument("--max-context", dest="max_context", type=int, default=None,
                        help="rolling context, left-truncated beyond; with --max-new-tokens at most the model's "
                             "max_position_embeddings" + run % 4096)
     return conventional(p)

@@ -69,9 +69,9 @@ def serve_settings(host: str = "127.0.0.1", port: int = 8000, searcher: str | No
 
 def _parse(argv, prog, extra):
     p = argparse.ArgumentParser(prog=prog)
-    p.add_argument("--gin_file", "--gin-file", dest="gin_file", action="append", default=[],
+    p.add_argument("--gin_file", dest="gin_file", action="append", default=[],
                    help="gin config file (repeatable; default: none)")
-    p.add_argument("--gin_bindings", "--gin-bindings", "--gin_param", "--gin-param", dest="gin_bindings",
+    p.add_argument("--gin_bindings", "--gin_param", dest="gin_bindings",
                    action="append", default=[], help="gin binding (repeatable; default: none)")
     for args, kw in extra:
         p.add_argument(*args, **kw)

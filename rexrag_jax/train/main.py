@@ -33,9 +33,9 @@ from rexrag_jax.config.cli_style import conventional
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="rexrag train", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gin_file", "--gin-file", dest="gin_file", action="append", default=[],
+    ap.add_argument("--gin_file", dest="gin_file", action="append", default=[],
                     help="gin file (repeatable; tried as given, then under gin/)")
-    ap.add_argument("--gin_bindings", "--gin-bindings", "--gin_param", "--gin-param", dest="gin_bindings",
+    ap.add_argument("--gin_bindings", "--gin_param", dest="gin_bindings",
                     action="append", default=[], help="gin binding, e.g. 'TOTAL_STEPS = 10' (repeatable; default: none)")
     ap.add_argument("--run_dir", required=True, help="checkpoints, TensorBoard logs, metrics.jsonl, configs")
     ap.add_argument("--overwrite", action="store_true",
