@@ -66,7 +66,11 @@ COMPARISONS = (("rexrag", "grpo"), ("rexrag", "rexrag_nocorr"), ("rexrag_nocorr"
 # at 1200 steps read neither seen nor unseen facts (EM 20), world 1 at 1600 read both (EM 53).
 REPLICATION_DEFAULTS = dict(test_per_hop=300, curve_every=0, rl_time_budget_s=None, sft_time_budget_s=None,
                             probe_prior_questions=200, sft_steps=1600,
-                            reading_worlds=4, trap_reflect_share=0.1,
+                            reading_worlds=4,
+                            # fifth pass: every trap revision record keeps its prompt in the loss (was 0.1),
+                            # so the warm start's own reflection at a trap dead end is sampled at all (0.13 %
+                            # at 0.1; dev world 7, not a reported one: self-reflection then appears after RL)
+                            trap_reflect_share=1.0,
                             # third pass (issue 12): traps always fire in the warm-start records, so sampling
                             # escapes a trap only by the rare own reflection, and half the fired traps are
                             # revision records, twice the copy-across-the-prompt data of the second pass
