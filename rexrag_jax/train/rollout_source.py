@@ -36,6 +36,11 @@ class SearchRollout:
         from rexrag_jax.tokenizers import load_tokenizer
 
         self.tokenizer = load_tokenizer(tokenizer_path)
+        if self.tokenizer.chat_template is None:  # found here, not at step 1 after model init and compiles
+            from rexrag_jax.config.errors import StartupInputError
+            raise StartupInputError(
+                f"SearchRollout.tokenizer_path: {tokenizer_path} has no chat template (expected tokenizer_config.json "
+                f"'chat_template' or chat_template.jinja beside tokenizer.json); rollout prompts are rendered with it")
         self.tokenizer_path = tokenizer_path  # recorded in the run dir's policy.json (Trainer) for `rexrag eval`
         self.retriever = retriever
         self.config = config if config is not None else RolloutConfig()
