@@ -238,13 +238,16 @@ def paired_stats(results: dict, a: str, b: str, run_root: str, draws: int = 2000
     return out
 
 
-def behaviour_breakdown(world, trap_relations, eval_path: str) -> dict:
+def behaviour_breakdown(world, trap_relations, eval_path: str, base_path: str | None = None) -> dict:
     """What the greedy held-out rollouts of `eval_path` do (in points / per question):
     em_trap / em_other   EM on questions whose chain has a trap relation after the first hop (the warm
                          start's dead ends) and on the others;
     self_reflect         share of responses in which the policy itself wrote a revision prompt of the pool
                          (REX-RAG pays off at test time only through this: no prompt is inserted there);
-    searches_per_q       <search> calls per question."""
+    searches_per_q       <search> calls per question;
+    changed / fixed / broken  (with base_path, the warm start's dump) share of questions whose greedy response
+                         differs from the warm start's, and of those turned right (EM 0 -> 1) / wrong (1 -> 0):
+                         how far RL moved the greedy policy at all."""
     from rexrag_jax.data.warmstart import has_trap
     from rexrag_jax.rl.prompt_pool import DEFAULT_REVISION_PROMPTS
 
@@ -256,9 +259,16 @@ def behaviour_breakdown(world, trap_relations, eval_path: str) -> dict:
     em = np.array([r["em"] for r in recs], float)
     refl = np.array([any(p in r["response"] for p in phrases) for r in recs], bool)
     mean = lambda x: float(100 * x.mean()) if x.size else float("nan")  # noqa: E731
-    return {"em_trap": mean(em[trap]), "em_other": mean(em[~trap]), "n_trap": int(trap.sum()),
-            "self_reflect": mean(refl), "em_when_self_reflecting": mean(em[refl]),
-            "searches_per_q": float(np.mean([r["response"].count("<search>") for r in recs])) if recs else float("nan")}
+    out = {"em_trap": mean(em[trap]), "em_other": mean(em[~trap]), "n_trap": int(trap.sum()),
+           "self_reflect": mean(refl), "em_when_self_reflecting": mean(em[refl]),
+           "searches_per_q": float(np.mean([r["response"].count("<search>") for r in recs])) if recs else float("nan")}
+    if base_path is not None and os.path.exists(base_path):
+        base = {b["id"]: b for b in (json.loads(line) for line in open(base_path))}
+        pairs = [(base[r["id"]], r) for r in recs if r["id"] in base]
+        out["changed"] = mean(np.array([b["response"] != r["response"] for b, r in pairs], bool))
+        out["fixed"] = mean(np.array([b["em"] < r["em"] for b, r in pairs], bool))
+        out["broken"] = mean(np.array([b["em"] > r["em"] for b, r in pairs], bool))
+    return out
 
 
 def breakdown_lines(results: dict, run_root: str, cfg) -> list[str]:
@@ -266,7 +276,8 @@ def breakdown_lines(results: dict, run_root: str, cfg) -> list[str]:
     from rexrag_jax.data.synthetic_world import generate_world
     from rexrag_jax.data.warmstart import pick_trap_relations
 
-    lines = [f"{'world':>6} {'policy':>14} {'EM trap':>8} {'EM other':>9} {'self-reflect':>13} {'searches/q':>11}"]
+    lines = [f"{'world':>6} {'policy':>14} {'EM trap':>8} {'EM other':>9} {'self-reflect':>13} {'searches/q':>11} "
+             f"{'changed (fixed/broken) vs warm start':>37}"]
     for w in results["worlds"]:
         world = generate_world(demo.world_config(cfg, w["seed"]))
         traps = pick_trap_relations(w["seed"], cfg.num_trap_relations)
@@ -276,9 +287,10 @@ def breakdown_lines(results: dict, run_root: str, cfg) -> list[str]:
         for name, path, into in dumps:
             if not os.path.exists(path):
                 continue
-            b = into["behaviour"] = behaviour_breakdown(world, traps, path)
+            b = into["behaviour"] = behaviour_breakdown(world, traps, path, None if name == "warm start" else dumps[0][1])
+            moved = f"{b['changed']:9.1f}% ({b['fixed']:.1f}% / {b['broken']:.1f}%)" if "changed" in b else ""
             lines.append(f"{w['seed']:>6} {name:>14} {b['em_trap']:8.1f} {b['em_other']:9.1f} {b['self_reflect']:12.1f}% "
-                         f"{b['searches_per_q']:11.2f}")
+                         f"{b['searches_per_q']:11.2f} {moved:>37}")
     return lines
 
 

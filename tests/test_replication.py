@@ -185,3 +185,35 @@ def test_warm_from_copies_a_finished_warm_start_and_refuses_other_settings(quick
                            "--warm_from", root, "--gin_param", "DemoConfig.sft_steps = 3"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "other settings (sft_steps)" in err[0]
+
+
+def test_behaviour_breakdown_hand_computed(tmp_path):
+    """EM on trap / other questions, self-reflection, searches and changed/fixed/broken vs the warm start,
+    on hand-written dumps of 4 questions of a tiny world."""
+    from rexrag_jax.data.synthetic_world import WorldConfig, generate_world
+    from rexrag_jax.data.warmstart import has_trap, pick_trap_relations
+
+    world = generate_world(WorldConfig(seed=0))
+    traps = pick_trap_relations(0, 3)
+    qs = world.test
+    trap_qs = [e for e in qs if has_trap(world, e, traps)][:2]
+    other_qs = [e for e in qs if not has_trap(world, e, traps)][:2]
+    assert len(trap_qs) == 2 and len(other_qs) == 2
+    refl = "<think> Perhaps I've overlooked something. </think>"
+    warm = [(trap_qs[0], "<answer> a </answer>", 0), (trap_qs[1], "<answer> b </answer>", 0),
+            (other_qs[0], "<search> q </search><answer> c </answer>", 1), (other_qs[1], "<answer> d </answer>", 1)]
+    after = [(trap_qs[0], refl + "<search> q </search><search> r </search><answer> x </answer>", 1),  # fixed
+             (trap_qs[1], "<answer> b </answer>", 0),                                                # unchanged
+             (other_qs[0], "<search> q </search><answer> c </answer>", 1),                          # unchanged
+             (other_qs[1], "<answer> e </answer>", 0)]                                               # broken
+    for name, rows in (("warm.jsonl", warm), ("after.jsonl", after)):
+        with open(tmp_path / name, "w") as f:
+            for ex, resp, em in rows:
+                f.write(json.dumps({"id": ex.id, "response": resp, "em": em}) + "\n")
+    b = replication.behaviour_breakdown(world, traps, str(tmp_path / "after.jsonl"), str(tmp_path / "warm.jsonl"))
+    assert b["n_trap"] == 2 and b["em_trap"] == 50.0 and b["em_other"] == 50.0
+    assert b["self_reflect"] == 25.0 and b["em_when_self_reflecting"] == 100.0
+    assert b["searches_per_q"] == (2 + 0 + 1 + 0) / 4
+    assert (b["changed"], b["fixed"], b["broken"]) == (50.0, 25.0, 25.0)
+    w = replication.behaviour_breakdown(world, traps, str(tmp_path / "warm.jsonl"))
+    assert "changed" not in w and w["em_trap"] == 0.0 and w["self_reflect"] == 0.0
