@@ -23,6 +23,7 @@ CI-sized version is tests/train/test_train_reshard.py (tiny preset, synthetic ro
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import pathlib
@@ -44,6 +45,7 @@ COMPARE = ("loss", "grad_norm", "reward/mean", "em/train", "all/ratio_mean", "al
            "entropy", "kl", "lr")
 MESHES = {"fsdp4_tensor2": ("(1, 4, 2)", 8), "fsdp8": ("(1, 8, 1)", 8), "fsdp4_4dev": ("(1, 4, 1)", 4)}
 
+# also used by tests/train/test_train_reshard.py (the CI-sized check)
 DUMP = r"""
 import sys, numpy as np, jax
 from rexrag_jax.config.gin_config import parse_gin
@@ -55,7 +57,7 @@ assert t.maybe_restore()
 leaves = jax.tree_util.tree_leaves_with_path({"params": t.params, "opt_state": t.opt_state})
 np.savez(out, **{jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves})
 specs = sorted({str(getattr(x.sharding, "spec", "-")) for _, x in leaves})
-print(len(t.mesh.devices.flat) if t.mesh is not None else 1, len(leaves), specs[:4])
+print(len(t.mesh.devices.flat) if t.mesh is not None else 1, len(leaves), specs)
 """
 
 
@@ -74,25 +76,15 @@ def build_qwen_style_tokenizer(out_dir: pathlib.Path, corpus: str) -> int:
     spec = json.loads(small.to_str())
     vocab: dict[str, int] = dict(spec["model"]["vocab"])
     merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in spec["model"]["merges"]]
-    # pad to Qwen2.5's size with merges of byte pairs (then byte triples): valid BPE, rarely applied
+    # pad to Qwen2.5's size with merges of byte pairs, then of (byte pair, byte): valid BPE, rarely applied
     base = sorted(alphabet)
-    for a in base:
-        for b in base:
+    for lefts in (lambda: base, lambda: [t for t in vocab if len(t) == 2]):  # pairs as they are after stage 1
+        for a, b in itertools.product(lefts(), base):
             if len(vocab) >= N_REGULAR:
                 break
             if a + b not in vocab:
                 vocab[a + b] = len(vocab)
                 merges.append((a, b))
-    pairs = [t for t in vocab if len(t) == 2]
-    for ab in pairs:
-        for c in base:
-            if len(vocab) >= N_REGULAR:
-                break
-            if ab + c not in vocab:
-                vocab[ab + c] = len(vocab)
-                merges.append((ab, c))
-        if len(vocab) >= N_REGULAR:
-            break
     assert len(vocab) == N_REGULAR, len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.normalizer = normalizers.NFC()

@@ -6,6 +6,7 @@ lands on another slice. The restored params and optimizer state equal the checkp
 mesh, and the next steps' metrics equal the uninterrupted fsdp 4 x tensor 2 run within 1e-5. The same at
 the Qwen2.5-0.5B shape with a 151,936-token tokenizer.json: benchmarks/reshard_resume.py (outside CI).
 """
+import importlib.util
 import json
 import os
 import pathlib
@@ -20,23 +21,14 @@ import pytest
 from rexrag_jax.train.metrics_log import read_metrics
 from test_train_reliability import COMPARE, REPO, _env, _start_and_wait, _steps  # noqa: E402  (same folder)
 
+# the restore-and-dump program (params + optimizer state to .npz, then "n_devices n_leaves [specs]")
+_spec = importlib.util.spec_from_file_location("reshard_resume", REPO / "benchmarks" / "reshard_resume.py")
+reshard_resume = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(reshard_resume)
+
 BINDINGS = ("TOTAL_STEPS = 3", "MICRO_BATCH = 8", "TrainConfig.checkpoint_every = 1",
             "TrainConfig.initial_keep_ratio = 0.0")  # no probes: K rounds to the data-parallel size
 MESH_A, MESH_B, MESH_C = "MESH_SHAPE = (1, 4, 2)", "MESH_SHAPE = (1, 8, 1)", "MESH_SHAPE = (1, 4, 1)"
-
-DUMP = r"""
-import sys, numpy as np, jax
-from rexrag_jax.config.gin_config import parse_gin
-from rexrag_jax.train.main import run_type
-run_dir, out, *bindings = sys.argv[1:]
-parse_gin(["tiny.gin"], bindings)
-t = run_type()(run_dir)
-assert t.maybe_restore()
-leaves = jax.tree_util.tree_leaves_with_path({"params": t.params, "opt_state": t.opt_state})
-shards = {jax.tree_util.keystr(p): str(x.sharding.spec) if hasattr(x.sharding, "spec") else "-" for p, x in leaves}
-np.savez(out, **{jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves})
-print(len(t.mesh.devices.flat) if t.mesh is not None else 1, sorted(set(shards.values())))
-"""
 
 
 def _env_devices(n):
@@ -55,8 +47,8 @@ def _train(run_dir, *bindings, devices=8):
 
 
 def _dump(run_dir, out, mesh, devices):
-    p = subprocess.run([sys.executable, "-c", DUMP, str(run_dir), str(out), *BINDINGS, mesh], cwd=REPO,
-                       env=_env_devices(devices), capture_output=True, text=True, timeout=900)
+    p = subprocess.run([sys.executable, "-c", reshard_resume.DUMP, "tiny.gin", str(run_dir), str(out), *BINDINGS, mesh],
+                       cwd=REPO, env=_env_devices(devices), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout.strip().splitlines()[-1], dict(np.load(out))
 
