@@ -332,7 +332,9 @@ def summarize(results: dict, run_root: str, arms: list[str]) -> list[str]:
         lines.append(f"{a:>24}: all-fail groups {100 * f('groups/all_fail'):.0f}%, rescued {100 * f('groups/rescued'):.0f}%, "
                      f"probe success created {100 * f('probes/success_created'):.0f}% kept "
                      f"{100 * f('probes/success_kept'):.0f}%, keep ratio {f('keep_ratio_start'):.3f} -> "
-                     f"{f('keep_ratio_last'):.3f} (min {f('keep_ratio_min'):.3f}), alpha {f('alpha'):.3f}, err {f('err'):.3f}")
+                     f"{f('keep_ratio_last'):.3f} (min {f('keep_ratio_min'):.3f}), alpha {f('alpha'):.3f}, err {f('err'):.3f}, "
+                     f"prompt-token ratio at the first update {f('ratio0/probe_prompt'):.3g} (first token "
+                     f"{f('ratio0/probe_prompt_first'):.3g}), its gradient weight A*min(r, 1.2) {f('ratio0/prompt_pos_weight'):.3g}")
     return lines
 
 

@@ -131,7 +131,9 @@ RL_LOG_KEYS = ("em/train", "reward/mean", "reward/original", "probes/created", "
                "probes/success_kept", "groups/all_fail", "groups/rescued", "keep_ratio", "alpha", "err",
                "original/ratio_mean", "probe/ratio_mean", "original/clip_frac", "probe/clip_frac", "kl", "time/step",
                "searches/mean", "rapo/insertions_per_traj", "rapo/z_ret_mean", "rapo/z_ret_std", "rapo/a_ret_mean",
-               "rapo/f_ret_mean", "rapo/shaped_ratio_clip_frac", "rapo/buffer_hit_similarity")
+               "rapo/f_ret_mean", "rapo/shaped_ratio_clip_frac", "rapo/buffer_hit_similarity",
+               "ratio0/original", "ratio0/probe_prefix", "ratio0/probe_prompt", "ratio0/probe_prompt_first",
+               "ratio0/probe_continuation", "ratio0/prompt_pos_weight")
 
 QUICK_OVERRIDES = dict(hidden_size=128, intermediate_size=384, head_dim=32, num_person=40, num_city=14, num_country=4, num_company=10, sft_examples=400, reading_worlds=1,
                        test_per_hop=10, sft_steps=25, rl_steps=2, num_questions=4, group_size=4,
@@ -590,7 +592,8 @@ def rl_diagnostics(rl_log: list[dict], initial_keep_ratio: float | None = None) 
     all-fail / rescued group shares, probe success (created, kept), α, err; and ρ at the start and end."""
     out = {}
     for k in ("groups/all_fail", "groups/rescued", "probes/success_created", "probes/success_kept", "alpha", "err",
-              "probes/created", "probes/kept", "original/ratio_mean", "probe/ratio_mean"):
+              "probes/created", "probes/kept", "original/ratio_mean", "probe/ratio_mean",
+              "ratio0/probe_prompt", "ratio0/probe_prompt_first", "ratio0/prompt_pos_weight"):
         vals = [r[k] for r in rl_log if k in r and r[k] == r[k]]
         out[k] = float(np.mean(vals)) if vals else None
     rho = [r["keep_ratio"] for r in rl_log if "keep_ratio" in r]

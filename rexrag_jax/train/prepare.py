@@ -136,3 +136,39 @@ def group_diagnostics(group_ids: np.ndarray, is_probe: np.ndarray, correct: np.n
     return {"groups/all_fail": len(all_fail) / n, "groups/rescued": len(rescued) / n,
             "probes/success_created": float(correct[probe].mean()) if probe.any() else float("nan"),
             "probes/success_kept": float(correct[kept].mean()) if kept.any() else float("nan")}
+
+
+def start_ratio_diagnostics(old_logp: np.ndarray, behaviour_logp: np.ndarray, loss_mask: np.ndarray,
+                            is_probe: np.ndarray, probe_start: np.ndarray, probe_len: np.ndarray,
+                            advantages: np.ndarray) -> dict:
+    """The PPO ratio r = π_θ / behaviour at the step's first update (π_θ = π_old), by token kind:
+
+      ratio0/original           mean r over originals' loss tokens (1 / (1 - α) with the correction)
+      ratio0/probe_prefix       mean r over kept probes' prefix tokens (the failed original's part)
+      ratio0/probe_prompt       mean r over the inserted pool-prompt tokens
+      ratio0/probe_prompt_first mean r at each kept probe's first prompt token
+      ratio0/probe_continuation mean r over the tokens sampled after the prompt
+      ratio0/prompt_pos_weight  mean of A·min(r, 1 + 0.2) over positive-advantage probes' prompt tokens:
+                                the gradient weight that teaches the policy to write the prompt itself
+                                (A·1 without the correction)
+
+    With the correction the prompt's behaviour is dominated by α·pool, so r ≈ π_old(prompt) / (α·pool)
+    ≪ 1 while the policy rarely writes it: the positive advantage of a rescued probe reaches the prompt
+    tokens only with that small weight. NaN where a kind has no tokens.
+    """
+    old, beh = np.asarray(old_logp, np.float64), np.asarray(behaviour_logp, np.float64)
+    mask, probe = np.asarray(loss_mask, bool), np.asarray(is_probe, bool)
+    r = np.exp(np.clip(old - beh, -20.0, 20.0))
+    pos = np.arange(old.shape[1])[None, :]
+    start = np.asarray(probe_start)[:, None]
+    end = start + np.asarray(probe_len)[:, None]
+    p = probe[:, None]
+    kinds = {"original": mask & ~p, "probe_prefix": mask & p & (pos < start),
+             "probe_prompt": mask & p & (pos >= start) & (pos < end),
+             "probe_prompt_first": mask & p & (pos == start) & (end > start),
+             "probe_continuation": mask & p & (pos >= end)}
+    out = {f"ratio0/{k}": float(r[m].mean()) if m.any() else float("nan") for k, m in kinds.items()}
+    adv = np.broadcast_to(np.asarray(advantages, np.float64).reshape(len(probe), -1), old.shape)
+    m = kinds["probe_prompt"] & (adv > 0)
+    out["ratio0/prompt_pos_weight"] = float((adv * np.minimum(r, 1.2))[m].mean()) if m.any() else float("nan")
+    return out

@@ -473,6 +473,9 @@ class Trainer:
         metrics = self._batch_metrics(batch, kb, rewards, correct, rew_k, ent_k, kept_probes, alpha, err)
         metrics.update({"keep_ratio": self.keep_ratio, "probes/created": int(batch.is_probe.sum())})
         metrics.update(prepare.group_diagnostics(batch.group_ids, batch.is_probe, correct, kept_probes))
+        if kb.is_probe.any():
+            metrics.update(prepare.start_ratio_diagnostics(old_k, behaviour, kb.loss_mask, kb.is_probe,
+                                                           kb.probe_start, kb.probe_len, adv))
         return arrays, metrics
 
     def _after_update(self, batch, rewards) -> dict:

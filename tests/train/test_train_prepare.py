@@ -179,3 +179,26 @@ def test_validation_reports_em_per_data_source(tmp_path):
     m = trainer.validate()
     assert m == {"val/em_hotpotqa": 0.0, "val/em_nq": 1.0, "val/em_mean": 0.5}
     trainer.ckpt.close()
+
+
+def test_start_ratio_diagnostics_by_token_kind_hand_computed():
+    # row 0: original, 3 loss tokens; row 1: probe, prefix at 0-1, prompt at 2-3, continuation at 4-5
+    old = np.log(np.array([[0.5, 0.5, 0.5, 0.0, 0.0, 0.0],
+                           [0.4, 0.4, 0.01, 0.02, 0.6, 0.6]]))
+    beh = np.log(np.array([[0.4, 0.4, 0.4, 1.0, 1.0, 1.0],
+                           [0.8, 0.8, 0.1, 0.1, 0.6, 0.3]]))
+    mask = np.array([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]], bool)
+    d = prepare.start_ratio_diagnostics(old, beh, mask, np.array([False, True]), np.array([0, 2]),
+                                        np.array([0, 2]), np.array([-0.5, 2.0]))
+    assert d["ratio0/original"] == pytest.approx(1.25)
+    assert d["ratio0/probe_prefix"] == pytest.approx(0.5)
+    assert d["ratio0/probe_prompt"] == pytest.approx((0.1 + 0.2) / 2)
+    assert d["ratio0/probe_prompt_first"] == pytest.approx(0.1)
+    assert d["ratio0/probe_continuation"] == pytest.approx((1.0 + 2.0) / 2)
+    # A = 2 on the prompt, weight A·min(r, 1.2): (2·0.1 + 2·0.2) / 2
+    assert d["ratio0/prompt_pos_weight"] == pytest.approx(0.3)
+    # no probes: the probe kinds are NaN, the original's ratio is still reported
+    d0 = prepare.start_ratio_diagnostics(old[:1], beh[:1], mask[:1], np.array([False]), np.array([0]),
+                                         np.array([0]), np.array([1.0]))
+    assert d0["ratio0/original"] == pytest.approx(1.25) and np.isnan(d0["ratio0/probe_prompt"])
+    assert np.isnan(d0["ratio0/prompt_pos_weight"])
