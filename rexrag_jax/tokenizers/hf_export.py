@@ -14,15 +14,18 @@ tokenizer_path is one of
   template), `special_tokens_map.json` and `chat_template.jinja` go beside it.
 - a `tokenizer.json` file or a directory holding one (an HF checkpoint's tokenizer): it is copied with
   the config files found beside it (tokenizer_config.json, special_tokens_map.json, chat_template.jinja,
-  vocab.json, merges.txt, added_tokens.json, tokenizer.model).
+  vocab.json, merges.txt, added_tokens.json, tokenizer.model, tokenization_rexrag.py).
 
-Known limit (transformers 5.x, checked with 5.25): for a directory whose config.json has model_type
-"qwen2" (a full policy export), AutoTokenizer ignores tokenizer_config.json's tokenizer_class ("qwen2" is
-in its MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS) and rebuilds a byte-level Qwen2Tokenizer from the
-vocabulary, which mis-tokenizes a SentencePiece vocabulary. There, load the exact tokenizer with
-`transformers.PreTrainedTokenizerFast.from_pretrained(export)` (or `TokenizersBackend`); AutoTokenizer
-on the tokenizer files alone (no qwen2 config.json beside them) is exact. One more difference: a literal
-control-piece text such as "<|endoftext|>" inside the input is one special token in transformers (as
+A full policy export (config.json with model_type "qwen2"): transformers 5.x (checked with 5.25) lists
+"qwen2" in MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS, so AutoTokenizer ignores tokenizer_class and would
+rebuild a byte-level Qwen2Tokenizer from the vocabulary, which mis-tokenizes a SentencePiece vocabulary.
+The SentencePiece export therefore declares its class in tokenizer_config.json's `auto_map` (AutoTokenizer
+-> `tokenization_rexrag.RexragTokenizerFast`, a PreTrainedTokenizerFast subclass written beside it, see
+REMOTE_CLASS_FILE). transformers then loads tokenizer.json as it is: with trust_remote_code=True through
+that class, without it (its default) as TokenizersBackend, because it skips remote tokenizer code for these
+model types and falls back to tokenizer_class. Both give exactly our ids (tested).
+
+One difference stays: a literal control-piece text such as "<|endoftext|>" inside the input is one special token in transformers (as
 with Qwen's own tokenizer) but plain characters to SentencePiece.
 """
 from __future__ import annotations
@@ -33,7 +36,19 @@ import shutil
 
 MARKER = "rexrag_jax_tokenizer"  # tokenizer_config.json key: the file our load_tokenizer(dir) reads
 _HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-             "vocab.json", "merges.txt", "added_tokens.json", "tokenizer.model")
+             "vocab.json", "merges.txt", "added_tokens.json", "tokenizer.model", "tokenization_rexrag.py")
+# tokenizer_config.json's auto_map target: tokenizer.json as it is, whatever model_type config.json names
+REMOTE_CLASS_FILE = "tokenization_rexrag.py"
+REMOTE_CLASS = "RexragTokenizerFast"
+_REMOTE_CLASS_SOURCE = f'''"""rexrag_jax export: the tokenizer is tokenizer.json as written (a converted SentencePiece BPE).
+Declared in tokenizer_config.json's auto_map so that AutoTokenizer does not rebuild a byte-level
+Qwen2Tokenizer for this model_type="qwen2" directory."""
+from transformers import PreTrainedTokenizerFast
+
+
+class {REMOTE_CLASS}(PreTrainedTokenizerFast):
+    pass
+'''
 _WORD_SPLIT = "▁*[^▁]+|▁+"  # SentencePiece SplitIntoWords with allow_whitespace_only_pieces
 
 
@@ -114,12 +129,15 @@ def _save_sentencepiece(model_path: str, out_dir: str) -> list[str]:
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "add_eos_token": False,
               "add_prefix_space": False, "clean_up_tokenization_spaces": False, "legacy": False,
               "model_max_length": 131072, "bos_token": None, **special, "chat_template": ours.chat_template,
-              "added_tokens_decoder": added, MARKER: "tokenizer.model"}
+              "added_tokens_decoder": added, MARKER: "tokenizer.model",
+              "auto_map": {"AutoTokenizer": [None, f"{REMOTE_CLASS_FILE[:-3]}.{REMOTE_CLASS}"]}}
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, ensure_ascii=False, indent=2)
     with open(os.path.join(out_dir, "special_tokens_map.json"), "w", encoding="utf-8") as f:
         json.dump(special, f, ensure_ascii=False, indent=2)
     with open(os.path.join(out_dir, "chat_template.jinja"), "w", encoding="utf-8") as f:
         f.write(ours.chat_template)
+    with open(os.path.join(out_dir, REMOTE_CLASS_FILE), "w", encoding="utf-8") as f:
+        f.write(_REMOTE_CLASS_SOURCE)
     return ["tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-            "chat_template.jinja"]
+            "chat_template.jinja", REMOTE_CLASS_FILE]

@@ -44,7 +44,7 @@ def _texts():
 def test_sentencepiece_export_gives_our_ids_and_chat_prompt(spm_export):
     model, out, written = spm_export
     assert set(written) == {"tokenizer.model", "tokenizer.json", "tokenizer_config.json",
-                            "special_tokens_map.json", "chat_template.jinja"}
+                            "special_tokens_map.json", "chat_template.jinja", "tokenization_rexrag.py"}
     ours = SentencePieceTokenizer(model)
     hf = transformers.AutoTokenizer.from_pretrained(str(out))
     assert not isinstance(hf, transformers.Qwen2Tokenizer)
@@ -96,8 +96,12 @@ def test_demo_export_policy_is_0755_and_loads_in_transformers(spm_export, tmp_pa
     out = export_policy(params, cfg, model, str(tmp_path / "policy"))
     assert stat.S_IMODE(os.stat(out).st_mode) == 0o755
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer.model"} <= set(os.listdir(out))
-    # transformers 5 builds Qwen2Tokenizer (hard-coded byte-level pipeline) for any dir whose config.json says
-    # model_type qwen2, whatever tokenizer_config.json says; the exported tokenizer.json itself is exact:
-    hf = transformers.PreTrainedTokenizerFast.from_pretrained(out)
-    for text in _texts():
-        assert hf.encode(text, add_special_tokens=False) == tok.encode(text), text
+    # transformers 5 would build a byte-level Qwen2Tokenizer for any dir whose config.json says model_type
+    # qwen2; the export's auto_map keeps tokenizer.json as it is, with and without trust_remote_code
+    for kwargs in ({}, {"trust_remote_code": False}, {"trust_remote_code": True}):
+        hf = transformers.AutoTokenizer.from_pretrained(out, **kwargs)
+        for text in _texts():
+            assert hf.encode(text, add_special_tokens=False) == tok.encode(text), (kwargs, text)
+        msgs = [{"role": "user", "content": "who founded Zelko?"}]
+        assert hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
+            tok.apply_chat_template(msgs), kwargs
