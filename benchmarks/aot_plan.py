@@ -55,7 +55,7 @@ def reference_inputs(preset: str, devices: int, tensor: int = 1, micro_batch: in
     """PlanInputs and AotShapes of gin/rexrag.gin + gin/model/<preset>.gin on (1, devices / tensor, tensor)
     (MICRO_BATCH: micro_batch, else the gin value raised to the data-parallel size)."""
     from rexrag_jax.train import planner
-    from rexrag_jax.train.aot import AotShapes
+    from rexrag_jax.train.aot import shapes_for_plan
 
     gins = [os.path.join(GIN_DIR, "rexrag.gin"), os.path.join(GIN_DIR, "model", f"{preset}.gin")]
     g = planner._gin_values(gins, [])
@@ -69,11 +69,7 @@ def reference_inputs(preset: str, devices: int, tensor: int = 1, micro_batch: in
                              micro_batch=micro, reference_model=float(g["KL_COEF"]) > 0,
                              logprob_chunk=int(g["LOGPROB_CHUNK"]) or None,
                              cache_len=int(g["CACHE_LEN"]) if "CACHE_LEN" in g else None)
-    shapes = AotShapes(seq_len=inp.max_seq_len, micro_batch=micro, mini_batch=inp.mini_batch, logprob_rows=micro,
-                       logprob_chunk=inp.logprob_chunk or 0, kl=inp.reference_model,
-                       engine_rows=planner.engine_rows(inp), engine_len=planner.engine_len(inp),
-                       prefill_chunk=planner.PREFILL_CHUNK, decode_chunk=planner.DECODE_CHUNK)
-    return inp, shapes
+    return inp, shapes_for_plan(inp, planner.DECODE_CHUNK)
 
 
 def markdown(rows) -> str:

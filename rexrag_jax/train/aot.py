@@ -210,3 +210,14 @@ def compile_and_audit(name: str, cfg: Qwen2Config, mesh, shapes: AotShapes, shar
             "replicated": replicated,
             "collectives": audit.summarize(ops, cfg.num_layers), "ops": ops, "compiled": compiled,
             "args": args}
+
+
+def shapes_for_plan(inp, decode_chunk: int = 16) -> AotShapes:
+    """AotShapes of a planner.PlanInputs: the update's micro-batches, the log-prob pass over MICRO_BATCH
+    rows, and the engine's rows / slots / chunks as the planner counts them (planner.engine_rows/len)."""
+    from rexrag_jax.train import planner
+
+    return AotShapes(seq_len=inp.max_seq_len, micro_batch=inp.micro_batch, mini_batch=inp.mini_batch,
+                     logprob_rows=inp.micro_batch, logprob_chunk=inp.logprob_chunk or 0, kl=inp.reference_model,
+                     engine_rows=planner.engine_rows(inp), engine_len=planner.engine_len(inp),
+                     prefill_chunk=inp.prefill_chunk, decode_chunk=decode_chunk)

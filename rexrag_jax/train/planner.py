@@ -58,6 +58,7 @@ _TYPE_ALIASES = {"v5litepod": "v5e", "v5lite": "v5e"}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 CACHE_LOGICAL_AXES = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
+AOT_PROGRAMS = ("update", "logprob", "prefill", "decode")  # rexrag_jax.train.aot.PROGRAMS (jax-free here)
 
 
 # ---- TPU types and meshes ---------------------------------------------------------------------------
@@ -594,6 +595,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no_reference", action="store_true", help="no reference policy (KL coefficient 0)")
     p.add_argument("--check", action="store_true", help="exit 1 when the plan does not fit")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (bytes per device)")
+    p.add_argument("--aot", action="store_true",
+                   help="also compile the real programs with abstract inputs (nothing allocated) on this host's "
+                        "devices and print XLA's per-device memory next to the plan; on a CPU host the mesh's "
+                        "devices are faked (--xla_force_host_platform_device_count)")
+    p.add_argument("--programs", nargs="+", default=list(AOT_PROGRAMS), choices=AOT_PROGRAMS,
+                   help=f"programs --aot compiles (default: {' '.join(AOT_PROGRAMS)})")
     return conventional(p)
 
 
@@ -638,15 +645,108 @@ def plan_from_args(argv: Sequence[str]) -> tuple[MemoryPlan, argparse.Namespace]
     return make_plan(inp), args
 
 
+def aot_check_inputs(inp: PlanInputs) -> None:
+    """--aot: the batch dims the compiled programs shard over data x fsdp must divide (one-line errors)."""
+    ways = inp.mesh["data"] * inp.mesh["fsdp"]
+    for name in ("micro_batch", "rollout_batch"):
+        if getattr(inp, name) % ways:
+            raise ValueError(f"--aot: {name.upper()} = {getattr(inp, name)} is not divisible by data x fsdp = {ways} "
+                             f"(mesh {inp.mesh}); the trainer shards these rows over both axes")
+
+
+def aot_devices(n: int):
+    """n JAX devices for the compile: this host's accelerators, else n fake CPU devices (the flag is set
+    before JAX creates its CPU client, so it must not have been created yet in this process)."""
+    flag = "--xla_force_host_platform_device_count"
+    if flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {flag}={n}").strip()
+    import jax
+
+    devices = jax.devices()
+    if len(devices) < n:
+        raise ValueError(f"--aot: the mesh needs {n} devices but this host has {len(devices)} "
+                         f"{devices[0].platform} devices (on CPU: XLA_FLAGS={flag}={n}, or leave XLA_FLAGS unset)")
+    return devices[:n]
+
+
+def aot_report(plan: MemoryPlan, programs: Sequence[str]) -> list[dict]:
+    """Compile each program (rexrag_jax.train.aot) on the plan's mesh; per device: XLA's memory_analysis,
+    the planner's estimate, peak = XLA total + the planner's resident state, compile seconds, and the
+    parameter / optimizer leaves over 1 MiB left fully replicated."""
+    from rexrag_jax.sharding import make_mesh
+    from rexrag_jax.train.aot import compile_and_audit, shapes_for_plan
+
+    inp = plan.inputs
+    aot_check_inputs(inp)
+    devices = aot_devices(plan.devices)
+    mesh = make_mesh(inp.mesh["data"], inp.mesh["fsdp"], inp.mesh["tensor"], devices=devices)
+    est, extra = program_bytes(inp), resident_extra_bytes(inp)
+    rows = []
+    for prog in programs:
+        res = compile_and_audit(prog, inp.cfg, mesh, shapes_for_plan(inp, DECODE_CHUNK))
+        m = res["memory"]
+        rows.append({"program": prog, "platform": devices[0].platform, "xla_bytes": m["total"],
+                     "argument_bytes": m["argument"], "output_bytes": m["output"], "alias_bytes": m["alias"],
+                     "temp_bytes": m["temp"], "planner_bytes": int(est[prog]), "resident_bytes": int(extra[prog]),
+                     "peak_bytes": m["total"] + int(extra[prog]), "fits": m["total"] + extra[prog] <= plan.hbm_bytes,
+                     "compile_s": round(res["compile_s"], 2),
+                     "replicated_state_over_1mib": [x.path for x in res["replicated_state"]]})
+        del res
+    return rows
+
+
+def format_aot(plan: MemoryPlan, rows: Sequence[dict]) -> str:
+    _, _, hbm = tpu_devices(plan.inputs.tpu)
+    lines = ["", f"  AOT: the programs compiled on {len(rows) and rows[0]['platform']} devices (XLA memory_analysis per "
+                 "device; peak = XLA total + resident state)",
+             f"  {'program':9s} {'argument':>9s} {'output':>9s} {'alias':>9s} {'temp':>9s} {'XLA total':>10s} "
+             f"{'planner':>9s} {'ratio':>6s} {'peak':>9s}  {'verdict':28s} {'compile':>8s}  replicated state > 1 MiB"]
+    for r in rows:
+        share = r["peak_bytes"] / plan.hbm_bytes
+        verdict = "fits" if share <= 0.9 else ("fits, tight (> 90%)" if share <= 1 else "DOES NOT FIT")
+        g = lambda k: f"{r[k] / GiB:9.2f}"  # noqa: E731
+        lines.append(f"  {r['program']:9s} {g('argument_bytes')} {g('output_bytes')} {g('alias_bytes')} "
+                     f"{g('temp_bytes')} {r['xla_bytes'] / GiB:10.2f} {g('planner_bytes')} "
+                     f"{r['planner_bytes'] / max(r['xla_bytes'], 1):6.2f} {g('peak_bytes')}  "
+                     f"{f'{share:6.1%} of {hbm:g} GiB: {verdict}':28s} {r['compile_s']:7.1f}s  "
+                     f"{', '.join(r['replicated_state_over_1mib']) or 'none'}")
+        if not r["fits"]:
+            fix = smallest_fix(plan.inputs, r["program"], plan.hbm_bytes)
+            if fix:
+                lines.append(f"  {'':9s} smallest change that fits (planner): {fix}")
+    if rows and rows[0]["platform"] == "cpu":
+        lines.append(f"  (GiB; compiled by XLA:CPU on fake devices standing in for {plan.inputs.tpu}: the same "
+                     "programs and shardings, CPU buffer assignment; run --aot on the TPU VM for TPU's own)")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         plan, args = plan_from_args(argv)
+        if args.aot:
+            aot_check_inputs(plan.inputs)
     except (ValueError, FileNotFoundError) as e:
         print(f"rexrag plan: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(plan_to_dict(plan), indent=2) if args.json else format_plan(plan))
-    return 1 if (args.check and not plan.fits) else 0
+    aot = None
+    if not args.json:
+        print(format_plan(plan), flush=True)
+    if args.aot:
+        try:
+            aot = aot_report(plan, args.programs)
+        except ValueError as e:
+            print(f"rexrag plan: {e}", file=sys.stderr)
+            return 2
+    if args.json:
+        d = plan_to_dict(plan)
+        if aot is not None:
+            d["aot"] = aot
+        print(json.dumps(d, indent=2))
+    elif aot is not None:
+        print(format_aot(plan, aot))
+    fits = plan.fits and (aot is None or all(r["fits"] for r in aot))
+    return 1 if (args.check and not fits) else 0
 
 
 if __name__ == "__main__":

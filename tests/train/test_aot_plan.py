@@ -1,5 +1,7 @@
 """The planner's per-program estimates against XLA's memory_analysis of the real compiled programs (abstract
 inputs, 4 of the 8 fake CPU devices from tests/conftest.py), and the plan's does-not-fit advice."""
+import json
+
 import jax
 import pytest
 
@@ -105,3 +107,39 @@ def test_undivided_dims_are_named():
     assert planner.undivided_leaves(cfg, {"data": 1, "fsdp": 128, "tensor": 1}) == []
     lost = planner.undivided_leaves(cfg, {"data": 1, "fsdp": 256, "tensor": 1})
     assert "embed dim 1 (embed, 896) not divisible by fsdp=256" in lost and len(lost) == 8  # embed + 7 kernels
+
+
+def test_plan_aot_prints_xla_memory_next_to_the_planner(capsys):
+    """`rexrag plan --aot`: the programs compiled on 4 fake devices, XLA's totals within ±15 % of the planner,
+    peak = XLA total + resident state, the verdict against the chip, no replicated state leaf."""
+    from rexrag_jax.train import aot
+
+    assert tuple(planner.AOT_PROGRAMS) == tuple(aot.PROGRAMS)
+    flags = ["--preset", "small", "--dtype", "bfloat16", "--remat", "on", "--mesh", "data=1,fsdp=4,tensor=1",
+             "--tpu", "v5e-4", "--max_seq_len", "1024", "--rollout_batch", "64", "--mini_batch", "32",
+             "--micro_batch", "8", "--logprob_chunk", "128", "--aot", "--programs", "update", "decode"]
+    assert planner.main(flags + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["program"]: r for r in out["aot"]}
+    assert set(rows) == {"update", "decode"}
+    for r in rows.values():
+        assert r["platform"] == "cpu" and r["compile_s"] > 0 and r["replicated_state_over_1mib"] == []
+        assert r["xla_bytes"] == r["argument_bytes"] + r["output_bytes"] - r["alias_bytes"] + r["temp_bytes"]
+        assert 0.85 <= r["planner_bytes"] / r["xla_bytes"] <= 1.15, r
+        assert r["peak_bytes"] == r["xla_bytes"] + r["resident_bytes"] and r["fits"] == (r["peak_bytes"] <= 16 * 2**30)
+    # the same programs in the human-readable table
+    assert planner.main(flags) == 0
+    text = capsys.readouterr().out
+    assert "AOT: the programs compiled on cpu devices" in text and "update" in text.split("AOT:")[1]
+
+
+def test_plan_aot_bad_mesh_is_one_line(capsys):
+    base = ["--preset", "small", "--max_seq_len", "256", "--rollout_batch", "16", "--mini_batch", "8", "--aot"]
+    assert planner.main(base + ["--micro_batch", "2", "--mesh", "data=1,fsdp=4,tensor=1", "--tpu", "v5e-4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "MICRO_BATCH = 2 is not divisible by data x fsdp = 4" in err
+    # 16 devices wanted, the test process has 8 fake ones
+    assert planner.main(base + ["--micro_batch", "16", "--mesh", "data=1,fsdp=16,tensor=1", "--tpu", "v5e-16",
+                                "--rollout_batch", "32", "--mini_batch", "16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "needs 16 devices but this host has 8" in err
