@@ -76,6 +76,13 @@ def test_tokenizer_json_export_copies_files_and_matches(qwen_dir, tmp_path):  # 
     messages = [{"role": "user", "content": build_prompt_text("q?")}]
     assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
         ours.apply_chat_template(messages)
+    # beside a qwen2 config.json (a full policy export) AutoTokenizer builds Qwen2Tokenizer: still our ids
+    (out / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": 1024}))
+    hf = transformers.AutoTokenizer.from_pretrained(str(out))
+    for text in SAMPLES + DEMO_LIKE:
+        assert hf.encode(text, add_special_tokens=False) == ours.encode(text), text
+    assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        ours.apply_chat_template(messages)
     # a tokenizer.json path works the same as its directory
     out2 = tmp_path / "export2"
     assert save_tokenizer_for_hf(qwen_dir / "tokenizer.json", out2) == written
