@@ -34,6 +34,10 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, object], ...] = (
     ("act_heads", "tensor"),
     ("act_kv_heads", "tensor"),
     ("act_vocab", "tensor"),
+    # vocab-parallel output head of the chunked log-prob passes (qwen2.model.vocab_parallel_head): the
+    # [V, D] table split by vocabulary rows over tensor x fsdp, its hidden-state input whole over fsdp
+    ("head_vocab", ("tensor", "fsdp")),
+    ("head_batch", "data"),
     ("layers", None),
     ("norm", None),
 )

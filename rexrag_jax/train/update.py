@@ -67,11 +67,12 @@ def logprobs_and_entropy(params, tokens, attention_mask, cfg: Qwen2Config, tempe
     h = jnp.pad(hidden[:, :-1], ((0, 0), (0, pad), (0, 0))).reshape(B, -1, c, hidden.shape[-1]).swapaxes(0, 1)
     tg = jnp.pad(tokens[:, 1:], ((0, 0), (0, pad))).reshape(B, -1, c).swapaxes(0, 1)
 
+    head = qwen2.vocab_parallel_head(params, cfg)
+
     def one(_, xs):
         hc, tc = xs
-        logp = jax.nn.log_softmax(qwen2.logits_from_hidden(params, hc, cfg).astype(jnp.float32) / temperature, -1)
-        picked = jnp.take_along_axis(logp, tc[..., None], axis=-1)[..., 0]
-        return None, (picked, -jnp.sum(jnp.exp(logp) * logp, axis=-1))
+        logp = jax.nn.log_softmax(qwen2.head_logits(head, hc, cfg) / temperature, -1)
+        return None, (qwen2.pick_vocab(logp, tc), -jnp.sum(jnp.exp(logp) * logp, axis=-1))
 
     _, (lp, ent) = jax.lax.scan(one, None, (h, tg))
     zeros = jnp.zeros((B, 1), jnp.float32)

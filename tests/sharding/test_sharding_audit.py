@@ -128,3 +128,18 @@ def test_data_parallel_update_has_no_weight_gathers():
     n_params = sum(math.prod(s) for s in _leaf_bytes().values())
     # ... but every float32 gradient is all-reduced across the 8 data-parallel replicas, every micro-batch
     assert call["all-reduce"]["bytes"] >= 4 * n_params
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_chunked_logprobs_never_gather_the_output_table(tied):
+    """The vocab-parallel head (qwen2.model.vocab_parallel_head): inside the update's micro-batch x chunk
+    loops no collective of the output head moves the [V, D] table (an all-gather of it, an all-reduce of
+    its gradient); what crosses devices per chunk is hidden states and [rows, chunk] statistics. Before
+    it, XLA gathered the table in every chunk of every micro-batch."""
+    cfg = CFG.replace(tie_word_embeddings=tied)
+    res = compile_and_audit("update", cfg, make_mesh(1, 8, 1), SHAPES)
+    table = cfg.vocab_size * cfg.hidden_size * 2  # bf16 [V, D]: 128 KiB; its f32 gradient twice that
+    head = [op for op in res["ops"] if len(op.trips) >= 2 and any(
+        e in op.op_name for e in ("btd,vd->btv", "btd,dv->btv"))]
+    big = [(op.kind, op.result_bytes, op.trips) for op in head if op.result_bytes >= table // 2]
+    assert big == []

@@ -383,6 +383,40 @@ def token_logprobs(params: Params, tokens: jax.Array, cfg: Qwen2Config, attentio
     return segment_starts_zeroed(jnp.concatenate([jnp.zeros_like(picked[:, :1]), picked], axis=1), segment_ids)
 
 
+def vocab_parallel_head(params: Params, cfg: Qwen2Config) -> Params:
+    """The output projection resharded once for chunked logits (Megatron's vocab-parallel head).
+
+    The parameter layout splits the [V, D] table's D over fsdp, so a logits chunk against it needs
+    the whole table on every device: XLA all-gathered it (and all-reduced its gradient) once per chunk
+    of every micro-batch. Here the rows of the vocabulary are split over tensor x fsdp instead
+    ("head_vocab"), one all-to-all per pass, and `head_logits` brings each chunk's hidden states (small)
+    to every device: logits, softmax statistics and the table's gradient stay local per vocabulary
+    slice, and only [B, c] sums cross devices. Without a mesh this is the identity.
+    """
+    if cfg.tie_word_embeddings:
+        return {"embed": constrain(params["embed"], ("head_vocab", None))}
+    return {"lm_head": constrain(params["lm_head"], (None, "head_vocab"))}
+
+
+def head_logits(head: Params, hidden: jax.Array, cfg: Qwen2Config) -> jax.Array:
+    """Hidden [B,c,D] -> float32 logits [B,c,V] split by vocabulary (see vocab_parallel_head)."""
+    dt = jnp.dtype(cfg.dtype)
+    hidden = constrain(hidden, ("head_batch", None, None))
+    if cfg.tie_word_embeddings:
+        logits = jnp.einsum("btd,vd->btv", hidden, head["embed"].astype(dt), preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("btd,dv->btv", hidden, head["lm_head"].astype(dt), preferred_element_type=jnp.float32)
+    return constrain(logits, ("head_batch", None, "head_vocab"))
+
+
+def pick_vocab(values: jax.Array, ids: jax.Array) -> jax.Array:
+    """values[..., ids] for [..., V] values split over the vocabulary: a masked sum (exact: one term is
+    nonzero), which partitions as a local reduction plus an all-reduce of [...], where a gather along
+    the split axis would make XLA assemble the whole vocabulary first."""
+    hit = jnp.arange(values.shape[-1], dtype=ids.dtype) == ids[..., None]
+    return jnp.sum(jnp.where(hit, values, 0.0), axis=-1)
+
+
 def token_logprobs_chunked(params: Params, tokens: jax.Array, cfg: Qwen2Config, attention_mask=None,
                            positions=None, temperature: float = 1.0, chunk: int = 512,
                            segment_ids=None) -> jax.Array:
@@ -406,11 +440,12 @@ def token_logprobs_chunked(params: Params, tokens: jax.Array, cfg: Qwen2Config, 
     h = h.reshape(B, -1, c, h.shape[-1]).swapaxes(0, 1)  # [n_chunks, B, c, D]
     targets = targets.reshape(B, -1, c).swapaxes(0, 1)
 
+    head = vocab_parallel_head(params, cfg)
+
     @jax.checkpoint
     def one_chunk(hc, tc):
-        logits = logits_from_hidden(params, hc, cfg) / temperature
-        picked = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
-        return picked - jax.nn.logsumexp(logits, axis=-1)
+        logits = head_logits(head, hc, cfg) / temperature
+        return pick_vocab(logits, tc) - jax.nn.logsumexp(logits, axis=-1)
 
     _, logp = jax.lax.scan(lambda carry, xs: (carry, one_chunk(*xs)), None, (h, targets))
     logp = logp.swapaxes(0, 1).reshape(B, -1)[:, :n]
