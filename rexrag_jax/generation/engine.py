@@ -261,11 +261,16 @@ class GenerationEngine:
             rows = sorted(pending)
             left = max(len(pending[r]) - offset for r in rows)
             T = min(_pow2_at_least(left, 16), self.prefill_chunk)
-            nb = min(_pow2_at_least(len(rows), self._dp), self.batch_size)
+            owned = self._dp > 1
+            if owned:  # rows grouped by the device holding them: no cache row crosses devices
+                idx = self._owner_layout(rows, pending)
+                nb = len(idx)
+            else:
+                nb = min(_pow2_at_least(len(rows), self._dp), self.batch_size)
             all_rows = nb == self.batch_size  # every row in row order: no gather/scatter of cache rows
             if all_rows:
                 idx = list(range(self.batch_size))
-            else:
+            elif not owned:
                 idx = rows + [r for r in range(self.batch_size) if r not in pending][: nb - len(rows)]
             slot = {r: i for i, r in enumerate(idx)}
             tokens = np.full((nb, T), self.pad_id, np.int32)
@@ -278,12 +283,29 @@ class GenerationEngine:
             self._k, self._v, self._last_logits = kernels.prefill(
                 self._params, self._k, self._v, _dev(self._lengths), self._last_logits,
                 jnp.asarray(np.array(idx, np.int32)), jnp.asarray(tokens), jnp.asarray(num_new),
-                cfg=self.cfg, window=window, mesh=self.mesh, vocab_limit=self.vocab_limit, all_rows=all_rows)
+                cfg=self.cfg, window=window, mesh=self.mesh, vocab_limit=self.vocab_limit, all_rows=all_rows,
+                owned_rows=owned and not all_rows)
             for r in rows:
                 self._lengths[r] += num_new[slot[r]]
                 self._has_logits[r] = True
             offset += T
             pending = {r: t for r, t in pending.items() if len(t) > offset}
+
+    def _owner_layout(self, rows: Sequence[int], pending) -> list[int]:
+        """Rows to append to, grouped by the device holding them (the cache splits its rows in data x fsdp
+        blocks of b): each device's group is padded to the same power-of-two size m with rows of its own
+        block that take no tokens (num_new 0, distinct), so shard d of the index array names device d's
+        rows only (kernels.prefill(owned_rows=True)). Unbalanced groups cost padding, never traffic."""
+        n = self._dp
+        b = self.batch_size // n
+        groups = [[] for _ in range(n)]
+        for r in rows:
+            groups[r // b].append(r)
+        m = min(_pow2_at_least(max(len(g) for g in groups), 1), b)
+        idx = []
+        for d, g in enumerate(groups):
+            idx += g + [r for r in range(d * b, (d + 1) * b) if r not in pending][: m - len(g)]
+        return idx
 
     # --- decode --------------------------------------------------------------------------------
     def generate(self, rows: Sequence[int], max_new_tokens: int, rng: jax.Array, temperature: float = 1.0,

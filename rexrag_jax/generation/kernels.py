@@ -9,9 +9,11 @@ over: only k[:, :, :window] is read and written, so decode cost follows the live
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from rexrag_jax.generation.sampling import sample_tokens
 from rexrag_jax.models.qwen2 import model as qwen2
@@ -33,6 +35,111 @@ class _nullctx:
         return False
 
 
+def _row_axes(x, mesh):
+    """(PartitionSpec of a [L, B, S, KV, Hd] cache on mesh, the mesh axes its row dim B is split over)."""
+    from rexrag_jax.sharding.rules import spec_for_shape
+    spec = spec_for_shape(qwen2.CACHE_LOGICAL_AXES, x.shape, mesh, name="kv cache")
+    rows = spec[1]
+    return spec, (() if rows is None else (rows,) if isinstance(rows, str) else tuple(rows))
+
+
+def gather_rows(x, idx, mesh, w=None):
+    """x[:, idx, :w] for a cache x [L, B, S, ...] whose rows are split over the mesh.
+
+    A plain gather with replicated indices on a row-sharded operand makes the SPMD partitioner
+    all-gather the whole cache on every device first. Here every device takes the requested rows it
+    holds (the others masked to 0) and a reduce-scatter sums the [L, nb, ...] partial results, so
+    only the subset crosses devices, and it comes back split by rows (replicated when nb does not
+    divide). Without a mesh, or with unsplit rows, it is x[:, idx, :w]."""
+    w = x.shape[2] if w is None else w
+    if mesh is None:
+        return x[:, idx, :w]
+    spec, axes = _row_axes(x, mesh)
+    if not axes:
+        return x[:, idx, :w]
+    n = math.prod(mesh.shape[a] for a in axes)
+    scatter = idx.shape[0] % n == 0
+    out_spec = P(spec[0], axes if scatter else None, *spec[2:])
+
+    def local(xl, idx):
+        b = xl.shape[1]
+        pos = idx - jax.lax.axis_index(axes) * b
+        mine = (pos >= 0) & (pos < b)
+        rows = jnp.take(xl, jnp.where(mine, pos, 0), axis=1)[:, :, :w]
+        rows = jnp.where(mine.reshape((1, -1) + (1,) * (xl.ndim - 2)), rows, jnp.zeros((), xl.dtype))
+        if scatter:
+            return jax.lax.psum_scatter(rows, axes, scatter_dimension=1, tiled=True)
+        return jax.lax.psum(rows, axes)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, P()), out_specs=out_spec, check_vma=False)(x, idx)
+
+
+def scatter_rows(x, idx, rows, mesh):
+    """x.at[:, idx, :w].set(rows), w = rows.shape[2], for a row-split cache x (see gather_rows): the rows are
+    gathered to every device (the subset, not the cache) and each device writes the ones it holds, in
+    place. idx must be distinct (the engine's row lists are)."""
+    w = rows.shape[2]
+    if mesh is None:
+        return x.at[:, idx, :w].set(rows)
+    spec, axes = _row_axes(x, mesh)
+    if not axes:
+        return x.at[:, idx, :w].set(rows)
+    n = math.prod(mesh.shape[a] for a in axes)
+    scattered = idx.shape[0] % n == 0
+    rows_spec = P(spec[0], axes if scattered else None, *spec[2:])
+
+    def local(xl, idx, rl):
+        b = xl.shape[1]
+        full = jax.lax.all_gather(rl, axes, axis=1, tiled=True) if scattered else rl
+        pos = idx - jax.lax.axis_index(axes) * b
+        mine = (pos >= 0) & (pos < b)
+        return xl.at[:, jnp.where(mine, pos, b), :w].set(full, mode="drop")
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, P(), rows_spec), out_specs=spec,
+                         check_vma=False)(x, idx, rows)
+
+
+def _local_rows(x, idx, mesh, spec, axes, row_dim, w, rows=None):
+    """Owner-laid-out rows (idx split like x's rows: shard d of idx names rows that device d holds, see
+    GenerationEngine._owner_layout): gather (rows None) or write back, each device on its own rows,
+    no collective. w slices the slot dim (dim 2 of a cache) when given."""
+    idx_spec = P(axes)
+    part = P(*[axes if i == row_dim else spec[i] for i in range(len(spec))])
+
+    def pos_of(xl, il):
+        return il - jax.lax.axis_index(axes) * xl.shape[row_dim]
+
+    if rows is None:
+        def take(xl, il):
+            got = jnp.take(xl, pos_of(xl, il), axis=row_dim)
+            return got if w is None else got[:, :, :w]
+        return jax.shard_map(take, mesh=mesh, in_specs=(spec, idx_spec), out_specs=part, check_vma=False)(x, idx)
+
+    def put(xl, il, rl):
+        pos = pos_of(xl, il)
+        if row_dim == 0:
+            return xl.at[pos].set(rl)
+        return xl.at[:, pos, :w].set(rl) if w is not None else xl.at[:, pos].set(rl)
+    return jax.shard_map(put, mesh=mesh, in_specs=(spec, idx_spec, part), out_specs=spec, check_vma=False)(x, idx, rows)
+
+
+def gather_owned_rows(x, idx, mesh, logical_axes, row_dim=1, w=None):
+    """x[:, idx, :w] (row_dim 1, a cache) or x[idx] (row_dim 0) for owner-laid-out idx (see _local_rows)."""
+    from rexrag_jax.sharding.rules import spec_for_shape
+    spec = spec_for_shape(logical_axes, x.shape, mesh, name="rows")
+    r = spec[row_dim]
+    return _local_rows(x, idx, mesh, spec, (r,) if isinstance(r, str) else tuple(r), row_dim, w)
+
+
+def scatter_owned_rows(x, idx, rows, mesh, logical_axes, row_dim=1):
+    """The inverse of gather_owned_rows, in place (x donated): each device writes the rows it holds."""
+    from rexrag_jax.sharding.rules import spec_for_shape
+    spec = spec_for_shape(logical_axes, x.shape, mesh, name="rows")
+    r = spec[row_dim]
+    w = rows.shape[2] if row_dim == 1 else None
+    return _local_rows(x, idx, mesh, spec, (r,) if isinstance(r, str) else tuple(r), row_dim, w, rows)
+
+
 def mask_vocab(logits, vocab_limit):
     """Ids >= vocab_limit (embedding rows the tokenizer has no token for) get -inf logits."""
     if vocab_limit is None or vocab_limit >= logits.shape[-1]:
@@ -40,10 +147,10 @@ def mask_vocab(logits, vocab_limit):
     return jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, jnp.finfo(logits.dtype).min)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "window", "mesh", "vocab_limit", "all_rows"),
+@functools.partial(jax.jit, static_argnames=("cfg", "window", "mesh", "vocab_limit", "all_rows", "owned_rows"),
                    donate_argnums=(1, 2, 4))
 def prefill(params, k, v, lengths, last_logits, idx, tokens, num_new, *, cfg, window, mesh=None,
-            vocab_limit=None, all_rows=False):
+            vocab_limit=None, all_rows=False, owned_rows=False):
     """Append tokens [nb, T] to rows idx [nb] (row idx[i] takes its first num_new[i] tokens).
 
     Rows with num_new = 0 are untouched below their length (padded writes land beyond it). The
@@ -52,6 +159,10 @@ def prefill(params, k, v, lengths, last_logits, idx, tokens, num_new, *, cfg, wi
     gathered or scattered, so on a batch-sharded mesh every device works on its own rows only (with
     gathered rows, replicated indices on a batch-sharded cache make the partitioner all-gather the WHOLE
     k and v on every device: 439 GiB of temporaries at Qwen2.5-0.5B, 2560 rows, fsdp=8).
+    owned_rows=True (a mesh whose data x fsdp split the rows): idx is laid out by owner, shard d of idx
+    naming only rows that device d holds (GenerationEngine._owner_layout), so every device gathers,
+    computes and writes back its own rows and no cache row crosses devices. Otherwise a subset goes
+    through gather_rows / scatter_rows (only the subset crosses devices).
     Returns (k, v, last_logits).
     """
     with _mesh_ctx(mesh):
@@ -60,8 +171,12 @@ def prefill(params, k, v, lengths, last_logits, idx, tokens, num_new, *, cfg, wi
         w = min(window, k.shape[2])
         if all_rows:
             sub = {"k": k[:, :, :w], "v": v[:, :, :w], "lengths": lengths}
-        else:
-            sub = {"k": k[:, idx, :w], "v": v[:, idx, :w], "lengths": lengths[idx]}
+        elif owned_rows:
+            cax = qwen2.CACHE_LOGICAL_AXES
+            sub = {"k": gather_owned_rows(k, idx, mesh, cax, 1, w), "v": gather_owned_rows(v, idx, mesh, cax, 1, w),
+                   "lengths": lengths[idx]}
+        else:  # the subset only, not the whole cache, crosses devices (gather_rows / scatter_rows)
+            sub = {"k": gather_rows(k, idx, mesh, w), "v": gather_rows(v, idx, mesh, w), "lengths": lengths[idx]}
         hidden, sub = qwen2.forward(params, tokens, cfg, cache=sub, num_new=num_new, return_hidden=True)
         last = jnp.maximum(num_new - 1, 0)
         h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)  # [nb, 1, D]
@@ -71,8 +186,15 @@ def prefill(params, k, v, lengths, last_logits, idx, tokens, num_new, *, cfg, wi
             if w == k.shape[2]:
                 return sub["k"], sub["v"], new_rows
             return k.at[:, :, :w].set(sub["k"]), v.at[:, :, :w].set(sub["v"]), new_rows
+        if owned_rows:
+            lax_ = ("batch", None)
+            old_rows = gather_owned_rows(last_logits, idx, mesh, lax_, 0)
+            new_rows = jnp.where((num_new > 0)[:, None], logits, old_rows)
+            cax = qwen2.CACHE_LOGICAL_AXES
+            return (scatter_owned_rows(k, idx, sub["k"], mesh, cax), scatter_owned_rows(v, idx, sub["v"], mesh, cax),
+                    scatter_owned_rows(last_logits, idx, new_rows, mesh, lax_, 0))
         new_rows = jnp.where((num_new > 0)[:, None], logits, last_logits[idx])
-        return (k.at[:, idx, :w].set(sub["k"]), v.at[:, idx, :w].set(sub["v"]),
+        return (scatter_rows(k, idx, sub["k"], mesh), scatter_rows(v, idx, sub["v"], mesh),
                 last_logits.at[idx].set(new_rows))
 
 
