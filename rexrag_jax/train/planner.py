@@ -296,7 +296,8 @@ def program_bytes(inp: PlanInputs) -> dict[str, int]:
                + 4·S (scores, masked scores, softmax and its gradient of the layer being differentiated)
                + L·b·T·D·4 (the remat scan's saved layer inputs, float32) + W
       logprob  P + tokens + 3·S (forward: scores, masked, softmax) + W (the output table is not gathered
-               whole: the vocab-parallel head, qwen2.model.vocab_parallel_head, keeps it split by rows)
+               whole: the vocab-parallel head, qwen2.model.vocab_parallel_head, keeps it split by rows;
+               + E where the vocabulary does not divide by fsdp and the head keeps the parameter layout)
       prefill  P + KV + G + 3·A + 5·G + E + W + 3·b_e·C·D·2, A = 4·b_e·H·C·N (one float32 [b_e, H, C, N]
                score buffer of the append chunk: b_e = engine rows per device, C = PREFILL_CHUNK tokens,
                N = the engine's window; then the float32 logits copies as in decode, the gathered lm_head
@@ -329,6 +330,8 @@ def program_bytes(inp: PlanInputs) -> dict[str, int]:
         update += (activation_bytes(cfg, b, T, tensor, False, inp.logprob_chunk)
                    - activation_bytes(cfg, b, T, tensor, True, inp.logprob_chunk))
     logprob = P + b * T * (4 + 1) + 3 * S + W
+    if mesh["fsdp"] > 1 and cfg.vocab_size % (mesh["fsdp"] * (tensor if cfg.vocab_size % tensor == 0 else 1)):
+        logprob += E  # the vocabulary does not split over fsdp: the table is gathered whole as before
     rows, slots = engine_rows(inp), engine_len(inp)
     kv = kv_cache_bytes(cfg, rows, slots, mesh)
     logits = -(-rows // ways) * V * 4

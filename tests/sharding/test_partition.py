@@ -113,16 +113,18 @@ def test_shard_params_names_mismatched_leaf(setup):
         shard_params(params, param_shardings(CFG, make_mesh(2, 2, 2)))
 
 
-@pytest.mark.parametrize("shape", [(1, 8, 1), (1, 4, 2), (2, 2, 2)])
+@pytest.mark.parametrize("shape,vocab", [((1, 8, 1), 512), ((1, 4, 2), 512), ((2, 2, 2), 512), ((1, 8, 1), 508)])
 @pytest.mark.parametrize("tied", [True, False])
-def test_sharded_chunked_logprobs_and_gradients_equal_unsharded(setup, shape, tied):
+def test_sharded_chunked_logprobs_and_gradients_equal_unsharded(setup, shape, vocab, tied):
     """token_logprobs_chunked through the vocab-parallel head: values and the gradient of every leaf
-    under a mesh equal the unsharded computation."""
-    from rexrag_jax.models.qwen2.model import init_params, token_logprobs, token_logprobs_chunked
+    under a mesh equal the unsharded computation; a vocabulary that fsdp does not divide (508 on 8) keeps
+    the parameter layout (vocab_parallel_head falls back) with the same values."""
+    from rexrag_jax.models.qwen2.model import init_params, token_logprobs, token_logprobs_chunked, vocab_parallel_head
     from rexrag_jax.sharding import use_mesh
 
     _, tokens, mask, _ = setup
-    cfg = CFG.replace(tie_word_embeddings=tied)
+    cfg = CFG.replace(tie_word_embeddings=tied, vocab_size=vocab)
+    tokens = tokens % vocab
     params = init_params(cfg, jax.random.PRNGKey(3))
     loss = lambda p: jnp.sum(token_logprobs_chunked(p, tokens, cfg, attention_mask=mask, chunk=4) * mask)  # noqa: E731
     ref_lp = token_logprobs(params, tokens, cfg, attention_mask=mask)
@@ -130,6 +132,7 @@ def test_sharded_chunked_logprobs_and_gradients_equal_unsharded(setup, shape, ti
     mesh = make_mesh(*shape)
     shardings = param_shardings(cfg, mesh)
     with use_mesh(mesh):
+        assert ("vocab_parallel" in vocab_parallel_head(params, cfg)) == (vocab % shape[1] != 0)
         lp = jax.jit(lambda p: token_logprobs_chunked(p, tokens, cfg, attention_mask=mask, chunk=4))(
             shard_params(params, shardings))
         g = jax.jit(jax.grad(loss))(shard_params(params, shardings))

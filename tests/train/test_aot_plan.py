@@ -1,5 +1,6 @@
 """The planner's per-program estimates against XLA's memory_analysis of the real compiled programs (abstract
 inputs, 4 of the 8 fake CPU devices from tests/conftest.py), and the plan's does-not-fit advice."""
+import dataclasses
 import json
 
 import jax
@@ -48,7 +49,12 @@ def test_program_bytes_by_hand():
     inputs = 2 * 1 * 8 * (4 + 1 + 1 + 4 + 4) + 2 * 1 * 5
     got = planner.program_bytes(inp)
     assert got["update"] == 3 * P + inputs + 3 * P + 4 * S + 1 * 1 * 8 * 16 * 4 + W
-    assert got["logprob"] == P + 8 * 5 + 3 * S + 64 * 16 * 2 + W
+    # the vocab-parallel head keeps the table split by rows (64 divides by fsdp 2): no gathered copy ...
+    assert got["logprob"] == P + 8 * 5 + 3 * S + W
+    # ... unless the vocabulary does not divide: then the bf16 table is gathered whole as before
+    odd = dataclasses.replace(inp, cfg=cfg.replace(vocab_size=63))
+    P63 = planner.param_shard_elements(odd.cfg, odd.mesh) * 4
+    assert planner.program_bytes(odd)["logprob"] == P63 + 8 * 5 + 3 * S + 63 * 16 * 2 + W
     kv = 2 * (1 * 2 * 12 * 1 * 8) * 2             # k + v, 2 of 4 rows per device, bf16
     logits = 2 * 64 * 4
     assert got["decode"] == P + kv + logits + 2 * kv + 5 * logits + 64 * 16 * 4

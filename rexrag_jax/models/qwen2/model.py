@@ -392,7 +392,18 @@ def vocab_parallel_head(params: Params, cfg: Qwen2Config) -> Params:
     ("head_vocab"), one all-to-all per pass, and `head_logits` brings each chunk's hidden states (small)
     to every device: logits, softmax statistics and the table's gradient stay local per vocabulary
     slice, and only [B, c] sums cross devices. Without a mesh this is the identity.
+
+    When the vocabulary does not divide by the fsdp size (151,936 on fsdp=256) the rows could not be
+    split, and every device would form the logits of every row: the parameter layout is kept then
+    (head["vocab_parallel"] False) and the chunks use logits_from_hidden as before.
     """
+    from rexrag_jax.sharding.rules import active_mesh, spec_for_shape
+
+    active = active_mesh()
+    if active is not None and active[0].shape.get("fsdp", 1) > 1:
+        split = spec_for_shape(("head_vocab", None), (cfg.vocab_size, cfg.hidden_size), active[0], active[1])[0]
+        if "fsdp" not in ((split,) if isinstance(split, str) else tuple(split or ())):
+            return {**params, "vocab_parallel": False}
     if cfg.tie_word_embeddings:
         return {"embed": constrain(params["embed"], ("head_vocab", None))}
     return {"lm_head": constrain(params["lm_head"], (None, "head_vocab"))}
@@ -400,6 +411,8 @@ def vocab_parallel_head(params: Params, cfg: Qwen2Config) -> Params:
 
 def head_logits(head: Params, hidden: jax.Array, cfg: Qwen2Config) -> jax.Array:
     """Hidden [B,c,D] -> float32 logits [B,c,V] split by vocabulary (see vocab_parallel_head)."""
+    if head.get("vocab_parallel", True) is False:
+        return logits_from_hidden(head, hidden, cfg)
     dt = jnp.dtype(cfg.dtype)
     hidden = constrain(hidden, ("head_batch", None, None))
     if cfg.tie_word_embeddings:
