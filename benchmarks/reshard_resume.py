@@ -105,6 +105,7 @@ def gin_text(args, tokenizer_dir: pathlib.Path, index_dir: pathlib.Path) -> str:
     return f"""include 'rexrag.gin'
 include 'model/{args.preset}.gin'
 model_config.dtype = "float32"
+model_config.param_dtype = "{args.param_dtype}"
 TRAIN_FILES = ["{os.path.abspath(args.train_file)}"]
 TOKENIZER = "{tokenizer_dir}"
 INIT_CHECKPOINT = None
@@ -174,6 +175,9 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="qwen2.5-0.5b", help="model preset (gin/model/<preset>.gin)")
     ap.add_argument("--train_file", default=str(REPO.parent / "shared/data/benchmarks/nq_test_1k.jsonl"))
     ap.add_argument("--corpus", default=str(REPO.parent / "shared/data/corpus/wiki18_sample_1000.jsonl"))
+    ap.add_argument("--param_dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="parameter (and Adam moment) dtype; bfloat16 halves the run's host memory: in float32 "
+                         "the 0.5B run peaked at 22 GB RSS at step 2 on 8 fake CPU devices")
     args = ap.parse_args(argv)
     work = pathlib.Path(args.work_dir)
     shutil.rmtree(work, ignore_errors=True)
