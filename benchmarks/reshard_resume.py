@@ -10,7 +10,7 @@ What it runs (8 fake CPU devices, `--xla_force_host_platform_device_count`):
              `<|im_end|>` and the agent tags (<think>, <search>, <answer>, <information> and their closers)
              as special tokens; the model's vocabulary is the preset's 151,936 rows, as Qwen2.5's
   run        random init at the preset's shape (fp32 compute, remat), real search rollouts (SearchRollout,
-             MiniLM over the wiki-18 sample, real NQ questions), 2 questions x 2 rollouts, 3 RL steps,
+             MiniLM over the wiki-18 sample, real NQ questions), 2 questions x 4 rollouts (8 rows: the fsdp=8 resume needs the batch to divide by 8), 3 RL steps,
              a checkpoint after every step; reference: uninterrupted on fsdp 4 x tensor 2
   kill       the same run, SIGKILL once checkpoint 2 is on disk
   restore    that checkpoint into fsdp 4 x tensor 2, fsdp 8 and 4 devices (fsdp 4): params and optimizer state
@@ -115,10 +115,10 @@ local_retriever.corpus_path = "{os.path.abspath(args.corpus)}"
 local_retriever.index_dir = "{index_dir}"
 TOTAL_STEPS = 3
 NUM_QUESTIONS = 2
-GROUP_SIZE = 2
-ROLLOUT_BATCH = 4
-MINI_BATCH = 4
-MICRO_BATCH = 4
+GROUP_SIZE = 4
+ROLLOUT_BATCH = 8
+MINI_BATCH = 8
+MICRO_BATCH = 8
 MAX_SEQ_LEN = 384
 LOGPROB_CHUNK = 0
 TrainConfig.length_bucket = 128
