@@ -35,11 +35,11 @@ class _nullctx:
         return False
 
 
-def _row_axes(x, mesh):
-    """(PartitionSpec of a [L, B, S, KV, Hd] cache on mesh, the mesh axes its row dim B is split over)."""
+def _row_axes(x, mesh, logical_axes=qwen2.CACHE_LOGICAL_AXES, row_dim=1):
+    """(PartitionSpec of x on mesh, the mesh axes its row dim is split over); a KV cache by default."""
     from rexrag_jax.sharding.rules import spec_for_shape
-    spec = spec_for_shape(qwen2.CACHE_LOGICAL_AXES, x.shape, mesh, name="kv cache")
-    rows = spec[1]
+    spec = spec_for_shape(logical_axes, x.shape, mesh, name="rows")
+    rows = spec[row_dim]
     return spec, (() if rows is None else (rows,) if isinstance(rows, str) else tuple(rows))
 
 
@@ -117,27 +117,20 @@ def _local_rows(x, idx, mesh, spec, axes, row_dim, w, rows=None):
 
     def put(xl, il, rl):
         pos = pos_of(xl, il)
-        if row_dim == 0:
-            return xl.at[pos].set(rl)
-        return xl.at[:, pos, :w].set(rl) if w is not None else xl.at[:, pos].set(rl)
+        return xl.at[pos].set(rl) if row_dim == 0 else xl.at[:, pos, :w].set(rl)
     return jax.shard_map(put, mesh=mesh, in_specs=(spec, idx_spec, part), out_specs=spec, check_vma=False)(x, idx, rows)
 
 
 def gather_owned_rows(x, idx, mesh, logical_axes, row_dim=1, w=None):
     """x[:, idx, :w] (row_dim 1, a cache) or x[idx] (row_dim 0) for owner-laid-out idx (see _local_rows)."""
-    from rexrag_jax.sharding.rules import spec_for_shape
-    spec = spec_for_shape(logical_axes, x.shape, mesh, name="rows")
-    r = spec[row_dim]
-    return _local_rows(x, idx, mesh, spec, (r,) if isinstance(r, str) else tuple(r), row_dim, w)
+    spec, axes = _row_axes(x, mesh, logical_axes, row_dim)
+    return _local_rows(x, idx, mesh, spec, axes, row_dim, w)
 
 
 def scatter_owned_rows(x, idx, rows, mesh, logical_axes, row_dim=1):
     """The inverse of gather_owned_rows, in place (x donated): each device writes the rows it holds."""
-    from rexrag_jax.sharding.rules import spec_for_shape
-    spec = spec_for_shape(logical_axes, x.shape, mesh, name="rows")
-    r = spec[row_dim]
-    w = rows.shape[2] if row_dim == 1 else None
-    return _local_rows(x, idx, mesh, spec, (r,) if isinstance(r, str) else tuple(r), row_dim, w, rows)
+    spec, axes = _row_axes(x, mesh, logical_axes, row_dim)
+    return _local_rows(x, idx, mesh, spec, axes, row_dim, rows.shape[2] if row_dim == 1 else None, rows)
 
 
 def mask_vocab(logits, vocab_limit):

@@ -119,7 +119,7 @@ def test_sharded_chunked_logprobs_and_gradients_equal_unsharded(setup, shape, vo
     """token_logprobs_chunked through the vocab-parallel head: values and the gradient of every leaf
     under a mesh equal the unsharded computation; a vocabulary that fsdp does not divide (508 on 8) keeps
     the parameter layout (vocab_parallel_head falls back) with the same values."""
-    from rexrag_jax.models.qwen2.model import init_params, token_logprobs, token_logprobs_chunked, vocab_parallel_head
+    from rexrag_jax.models.qwen2.model import init_params, token_logprobs, token_logprobs_chunked, vocab_splits_over_fsdp
     from rexrag_jax.sharding import use_mesh
 
     _, tokens, mask, _ = setup
@@ -132,7 +132,7 @@ def test_sharded_chunked_logprobs_and_gradients_equal_unsharded(setup, shape, vo
     mesh = make_mesh(*shape)
     shardings = param_shardings(cfg, mesh)
     with use_mesh(mesh):
-        assert ("vocab_parallel" in vocab_parallel_head(params, cfg)) == (vocab % shape[1] != 0)
+        assert vocab_splits_over_fsdp(cfg) == (vocab % shape[1] == 0)
         lp = jax.jit(lambda p: token_logprobs_chunked(p, tokens, cfg, attention_mask=mask, chunk=4))(
             shard_params(params, shardings))
         g = jax.jit(jax.grad(loss))(shard_params(params, shardings))

@@ -202,7 +202,8 @@ def _layer_out_in(cfg: Qwen2Config, x, lp, positions, attend):
     return x + lin(act, lp["down_t"]), aux
 
 
-def logits_from_hidden(params: Params, hidden: jax.Array, cfg: Qwen2Config) -> jax.Array:
+def logits_from_hidden(params: Params, hidden: jax.Array, cfg: Qwen2Config,
+                       out_axes=("batch", "length", "act_vocab")) -> jax.Array:
     """Final-normed hidden [B,T,D] -> float32 logits [B,T,V] (tied: embed^T)."""
     dt = jnp.dtype(cfg.dtype)
     if cfg.tie_word_embeddings:
@@ -211,7 +212,7 @@ def logits_from_hidden(params: Params, hidden: jax.Array, cfg: Qwen2Config) -> j
     else:
         logits = jnp.einsum("btd,dv->btv", hidden, params["lm_head"].astype(dt),
                             preferred_element_type=jnp.float32)
-    return constrain(logits, ("batch", "length", "act_vocab"))
+    return constrain(logits, out_axes)
 
 
 def _cached_layers(layers: Params, x: jax.Array, cache: dict, cfg: Qwen2Config, num_new=None,
@@ -395,31 +396,31 @@ def vocab_parallel_head(params: Params, cfg: Qwen2Config) -> Params:
 
     When the vocabulary does not divide by the fsdp size (151,936 on fsdp=256) the rows could not be
     split, and every device would form the logits of every row: the parameter layout is kept then
-    (head["vocab_parallel"] False) and the chunks use logits_from_hidden as before.
+    (vocab_splits_over_fsdp False) and the chunks compute as logits_from_hidden does.
     """
+    key = "embed" if cfg.tie_word_embeddings else "lm_head"
+    if not vocab_splits_over_fsdp(cfg):
+        return {key: params[key]}
+    return {key: constrain(params[key], ("head_vocab", None) if key == "embed" else (None, "head_vocab"))}
+
+
+def vocab_splits_over_fsdp(cfg: Qwen2Config) -> bool:
+    """True unless the active mesh has fsdp > 1 and the vocabulary's rows cannot be split over it."""
     from rexrag_jax.sharding.rules import active_mesh, spec_for_shape
 
     active = active_mesh()
-    if active is not None and active[0].shape.get("fsdp", 1) > 1:
-        split = spec_for_shape(("head_vocab", None), (cfg.vocab_size, cfg.hidden_size), active[0], active[1])[0]
-        if "fsdp" not in ((split,) if isinstance(split, str) else tuple(split or ())):
-            return {**params, "vocab_parallel": False}
-    if cfg.tie_word_embeddings:
-        return {"embed": constrain(params["embed"], ("head_vocab", None))}
-    return {"lm_head": constrain(params["lm_head"], (None, "head_vocab"))}
+    if active is None or active[0].shape.get("fsdp", 1) == 1:
+        return True
+    split = spec_for_shape(("head_vocab", None), (cfg.vocab_size, cfg.hidden_size), active[0], active[1])[0]
+    return "fsdp" in ((split,) if isinstance(split, str) else tuple(split or ()))
 
 
 def head_logits(head: Params, hidden: jax.Array, cfg: Qwen2Config) -> jax.Array:
     """Hidden [B,c,D] -> float32 logits [B,c,V] split by vocabulary (see vocab_parallel_head)."""
-    if head.get("vocab_parallel", True) is False:
+    if not vocab_splits_over_fsdp(cfg):
         return logits_from_hidden(head, hidden, cfg)
-    dt = jnp.dtype(cfg.dtype)
-    hidden = constrain(hidden, ("head_batch", None, None))
-    if cfg.tie_word_embeddings:
-        logits = jnp.einsum("btd,vd->btv", hidden, head["embed"].astype(dt), preferred_element_type=jnp.float32)
-    else:
-        logits = jnp.einsum("btd,dv->btv", hidden, head["lm_head"].astype(dt), preferred_element_type=jnp.float32)
-    return constrain(logits, ("head_batch", None, "head_vocab"))
+    return logits_from_hidden(head, constrain(hidden, ("head_batch", None, None)), cfg,
+                              out_axes=("head_batch", None, "head_vocab"))
 
 
 def pick_vocab(values: jax.Array, ids: jax.Array) -> jax.Array:
