@@ -261,17 +261,16 @@ class GenerationEngine:
             rows = sorted(pending)
             left = max(len(pending[r]) - offset for r in rows)
             T = min(_pow2_at_least(left, 16), self.prefill_chunk)
-            owned = self._dp > 1
-            if owned:  # rows grouped by the device holding them: no cache row crosses devices
+            owned = self._dp > 1  # rows grouped by the device holding them: no cache row crosses devices
+            if owned:
                 idx = self._owner_layout(rows, pending)
-                nb = len(idx)
             else:
-                nb = min(_pow2_at_least(len(rows), self._dp), self.batch_size)
+                nb = min(_pow2_at_least(len(rows), 1), self.batch_size)
+                idx = rows + [r for r in range(self.batch_size) if r not in pending][: nb - len(rows)]
+            nb = len(idx)
             all_rows = nb == self.batch_size  # every row in row order: no gather/scatter of cache rows
             if all_rows:
                 idx = list(range(self.batch_size))
-            elif not owned:
-                idx = rows + [r for r in range(self.batch_size) if r not in pending][: nb - len(rows)]
             slot = {r: i for i, r in enumerate(idx)}
             tokens = np.full((nb, T), self.pad_id, np.int32)
             num_new = np.zeros(nb, np.int32)
