@@ -211,6 +211,25 @@ def question_em(path: str) -> dict[str, float]:
         return {r["id"]: float(r["em"]) for r in map(json.loads, f)}
 
 
+def arm_question_em(world: dict, arm: str, run_root: str) -> dict[str, float]:
+    """Per-question held-out EM of one arm: from its dump under run_root, else from the JSON's
+    `question_em` ({"ids": [...], "em": [...]}, stored so that a results file alone (run dirs deleted,
+    another machine) still gives the bootstrap)."""
+    path = os.path.join(run_root, f"seed{world['seed']}", arm, "eval_rl.jsonl")
+    if os.path.exists(path):
+        return question_em(path)
+    q = world["arms"][arm].get("question_em")
+    if q is None:
+        raise BadInput(f"{path}: missing, and results.json has no question_em for world {world['seed']} arm {arm}")
+    return dict(zip(q["ids"], map(float, q["em"])))
+
+
+def packed_question_em(path: str) -> dict:
+    em = question_em(path)
+    ids = sorted(em)
+    return {"ids": ids, "em": [em[i] for i in ids]}
+
+
 def paired_stats(results: dict, a: str, b: str, run_root: str, draws: int = 2000, seed: int = 0) -> dict | None:
     """b - a over the worlds that finished both arms: per-world differences, t interval, bootstrap interval."""
     worlds = [w for w in results["worlds"] if a in w["arms"] and b in w["arms"]]
@@ -225,8 +244,7 @@ def paired_stats(results: dict, a: str, b: str, run_root: str, draws: int = 2000
         out["t_interval"] = [mean - half, mean + half]
     per_q = []
     for w in worlds:
-        ea = question_em(os.path.join(run_root, f"seed{w['seed']}", a, "eval_rl.jsonl"))
-        eb = question_em(os.path.join(run_root, f"seed{w['seed']}", b, "eval_rl.jsonl"))
+        ea, eb = arm_question_em(w, a, run_root), arm_question_em(w, b, run_root)
         ids = sorted(ea)
         per_q.append(100.0 * (np.array([eb[i] for i in ids]) - np.array([ea[i] for i in ids])))
     rng = np.random.default_rng(seed)
@@ -402,7 +420,8 @@ def run(args) -> int:
                                   "em_before_per_hop": per_hop(s["table"], "em_warmstart"),
                                   "em_after_per_hop": per_hop(s["table"], "em_rl"), "rl_steps": s["rl_steps"],
                                   "seconds": round(time.perf_counter() - t0, 1), "diagnostics": s["rl_diagnostics"],
-                                  **step_costs(s["rl_log"]), "rl_log": s["rl_log"]}
+                                  **step_costs(s["rl_log"]), "rl_log": s["rl_log"],
+                                  "question_em": packed_question_em(os.path.join(arm_dir, "eval_rl.jsonl"))}
             save()
             print(f"world {seed} {arm:>13}: EM {world['arms'][arm]['em_before']:.1f} -> {world['arms'][arm]['em_after']:.1f} "
                   f"({world['arms'][arm]['seconds']:.0f}s)", flush=True)

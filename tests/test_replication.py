@@ -93,6 +93,23 @@ def test_quick_replication_writes_the_json_shape(quick, capsys):
     assert lo <= c["mean"] <= hi
 
 
+def test_results_json_alone_gives_the_bootstrap(quick, tmp_path):
+    """The per-question EM stored in the JSON equals the dumps, and paired_stats from the JSON alone
+    (run dirs gone, as on another machine) equals paired_stats from the dumps."""
+    rc, root, out = quick
+    res = json.load(open(out))
+    world = res["worlds"][0]
+    for name, arm in world["arms"].items():
+        rows = {r["id"]: r["em"] for r in map(json.loads, open(os.path.join(root, "seed0", name, "eval_rl.jsonl")))}
+        assert dict(zip(arm["question_em"]["ids"], arm["question_em"]["em"])) == rows
+    from_dumps = replication.paired_stats(res, "grpo", "rexrag", root)
+    from_json = replication.paired_stats(res, "grpo", "rexrag", str(tmp_path / "nowhere"))
+    assert from_json == from_dumps
+    del world["arms"]["grpo"]["question_em"]
+    with pytest.raises(replication.BadInput, match="no question_em for world 0 arm grpo"):
+        replication.paired_stats(res, "grpo", "rexrag", str(tmp_path / "nowhere"))
+
+
 def test_resume_reruns_only_the_unfinished_arm(quick, capsys):
     rc, root, out = quick
     res = json.load(open(os.path.join(root, "results.json")))
