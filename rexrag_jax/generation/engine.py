@@ -67,6 +67,11 @@ def _window_at_least(n: int, lo: int) -> int:
     return 3 * p // 4 if p >= 4 and 3 * p // 4 >= n else p
 
 
+# a prefill may run an already-compiled larger program (GenerationEngine._prefill_shape) that costs at most
+# REUSE_COST x the exact bucket's rows x tokens and reads at most REUSE_WINDOW x its attention window
+REUSE_COST = 4
+REUSE_WINDOW = 2
+
 _unstack_jit = jax.jit(unstack_layers, static_argnames=("transpose",))
 DECODE_LAYOUTS = ("stacked", "layers", "out_in")
 OUT_IN_MIN_ELEMENTS = 1 << 20  # an MLP matrix this large (4 MB in f32) streams from memory at decode
@@ -130,6 +135,7 @@ class GenerationEngine:
         self.decode_layout = decode_layout
         self._params = params
         self._decode_params = self._decode_layout(params)
+        self._compiled_prefill: set[tuple[int, int, int]] = set()  # (rows, tokens, window) run so far
         self._lengths = np.zeros(self.batch_size, np.int32)
         self._tokens = np.zeros((self.batch_size, self.max_len), np.int32)
         self._has_logits = np.zeros(self.batch_size, bool)
@@ -262,15 +268,11 @@ class GenerationEngine:
             left = max(len(pending[r]) - offset for r in rows)
             T = min(_pow2_at_least(left, 16), self.prefill_chunk)
             owned = self._dp > 1  # rows grouped by the device holding them: no cache row crosses devices
-            if owned:
-                idx = self._owner_layout(rows, pending)
-            else:
-                nb = min(_pow2_at_least(len(rows), 1), self.batch_size)
-                idx = rows + [r for r in range(self.batch_size) if r not in pending][: nb - len(rows)]
-            nb = len(idx)
+            nb, T, idx, window = self._prefill_shape(rows, pending, T, owned)
             all_rows = nb == self.batch_size  # every row in row order: no gather/scatter of cache rows
             if all_rows:
                 idx = list(range(self.batch_size))
+            self._compiled_prefill.add((nb, T, window))
             slot = {r: i for i, r in enumerate(idx)}
             tokens = np.full((nb, T), self.pad_id, np.int32)
             num_new = np.zeros(nb, np.int32)
@@ -278,7 +280,6 @@ class GenerationEngine:
                 chunk = pending[r][offset: offset + T]
                 tokens[slot[r], : len(chunk)] = chunk
                 num_new[slot[r]] = len(chunk)
-            window = min(_window_at_least(int(self._lengths[idx].max()) + T, self.min_window), self.max_len)
             self._k, self._v, self._last_logits = kernels.prefill(
                 self._params, self._k, self._v, _dev(self._lengths), self._last_logits,
                 jnp.asarray(np.array(idx, np.int32)), jnp.asarray(tokens), jnp.asarray(num_new),
@@ -290,7 +291,41 @@ class GenerationEngine:
             offset += T
             pending = {r: t for r, t in pending.items() if len(t) > offset}
 
-    def _owner_layout(self, rows: Sequence[int], pending) -> list[int]:
+    def _prefill_idx(self, rows, pending, nb: int, owned: bool) -> list[int]:
+        if owned:
+            return self._owner_layout(rows, pending, per_device=nb // self._dp)
+        return rows + [r for r in range(self.batch_size) if r not in pending][: nb - len(rows)]
+
+    def _prefill_window(self, idx, T: int) -> int:
+        return min(_window_at_least(int(self._lengths[idx].max()) + T, self.min_window), self.max_len)
+
+    def _prefill_shape(self, rows, pending, T: int, owned: bool):
+        """(nb, T, idx, window) of the next prefill chunk. The exact shape is the smallest bucket; but
+        when a program already compiled for a larger shape costs at most REUSE_COST x the exact one in
+        rows x tokens (and at most REUSE_WINDOW x its window), that program runs instead, padded with idle
+        rows and pad tokens: a rollout's rare (rows, tokens, window) combinations stop costing a compile
+        each (measured: 2 of the 4 compilations after step 3 of the demo's RL step; benchmarks/rl_step.py).
+        Results are the same rows, lengths and logits: idle rows take no tokens, pad tokens land beyond
+        each row's length and are overwritten later, extra window slots are masked."""
+        if owned:
+            groups = np.bincount(np.asarray(rows) // (self.batch_size // self._dp), minlength=self._dp)
+            nb = self._dp * min(_pow2_at_least(int(groups.max()), 1), self.batch_size // self._dp)
+        else:
+            nb = min(_pow2_at_least(len(rows), 1), self.batch_size)
+        idx = self._prefill_idx(rows, pending, nb, owned)
+        window = self._prefill_window(idx, T)
+        if (nb, T, window) in self._compiled_prefill:
+            return nb, T, idx, window
+        for nb2, T2, w2 in sorted(self._compiled_prefill, key=lambda k: (k[0] * k[1], k[2])):
+            if not (nb2 >= nb and T2 >= T and w2 >= window and nb2 * T2 <= REUSE_COST * nb * T
+                    and w2 <= REUSE_WINDOW * window):
+                continue
+            idx2 = self._prefill_idx(rows, pending, nb2, owned)
+            if int(self._lengths[idx2].max()) + T2 <= w2:  # the padded chunk fits the window
+                return nb2, T2, idx2, w2
+        return nb, T, idx, window
+
+    def _owner_layout(self, rows: Sequence[int], pending, per_device: int | None = None) -> list[int]:
         """Rows to append to, grouped by the device holding them (the cache splits its rows in data x fsdp
         blocks of b): each device's group is padded to the same power-of-two size m with rows of its own
         block that take no tokens (num_new 0, distinct), so shard d of the index array names device d's
@@ -300,7 +335,7 @@ class GenerationEngine:
         groups = [[] for _ in range(n)]
         for r in rows:
             groups[r // b].append(r)
-        m = min(_pow2_at_least(max(len(g) for g in groups), 1), b)
+        m = min(_pow2_at_least(max(len(g) for g in groups), 1), b) if per_device is None else int(per_device)
         idx = []
         for d, g in enumerate(groups):
             idx += g + [r for r in range(d * b, (d + 1) * b) if r not in pending][: m - len(g)]

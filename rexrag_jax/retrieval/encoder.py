@@ -19,6 +19,9 @@ from tqdm.auto import tqdm
 from rexrag_jax.models.bert import BertConfig, embed, load_hf_bert
 from rexrag_jax.models.bert.hf_io import default_minilm_dir
 
+# a batch may run an already-compiled [B, T] bucket of at most REUSE_COST x its own B x T (TextEncoder._batch_shape)
+REUSE_COST = 4
+
 
 def _next_pow2(n: int, lo: int = 1) -> int:
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
@@ -64,6 +67,7 @@ class TextEncoder:
             params = jax.device_put(params)
         self.params = params
         self._fn = jax.jit(lambda p, ids, mask: embed(p, ids, mask, cfg))
+        self._compiled: set[tuple[int, int]] = set()  # [B, T] buckets run so far
 
     @classmethod
     def from_pretrained(cls, model_dir: str, *, name: str | None = None, dtype: str = "float32",
@@ -87,10 +91,19 @@ class TextEncoder:
         return [e.ids for e in self.tokenizer.encode_batch(list(texts))]
 
     def _batch_shape(self, n: int, longest: int) -> tuple[int, int]:
+        """The [B, T] bucket of a batch: powers of two, or an already-compiled larger bucket costing at
+        most REUSE_COST x the exact one (B x T). Rollouts encode a varying number of queries per turn, and
+        each new (B, T) pair was a ~1 s compile, 4 of them after the demo's first RL step."""
         mult = jax.local_device_count() if self._sharding is not None else 1
         b = min(_next_pow2(n), _next_pow2(self.batch_size))
         b = -(-b // mult) * mult
-        return b, min(_next_pow2(longest, lo=16), self.max_length)
+        t = min(_next_pow2(longest, lo=16), self.max_length)
+        if (b, t) not in self._compiled:
+            fits = [k for k in self._compiled if k[0] >= b and k[1] >= t and k[0] * k[1] <= REUSE_COST * b * t]
+            if fits:
+                return min(fits, key=lambda k: (k[0] * k[1], k))
+        self._compiled.add((b, t))
+        return b, t
 
     def encode_ids(self, ids: list[list[int]], progress: bool | tqdm = False,
                    desc: str = "encode") -> np.ndarray:

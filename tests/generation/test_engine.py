@@ -303,3 +303,40 @@ def test_window_buckets_cover_and_stay_within_1_5x():
         w = _window_at_least(n, 64)
         assert n <= w <= 1.5 * n
     assert len({_window_at_least(n, 64) for n in range(1, 4097)}) == 13  # 64 .. 4096: 2 buckets per octave
+
+
+def test_rare_prefill_shape_runs_a_compiled_larger_program(params, monkeypatch):
+    """A small append after a large one runs the large append's program (padded: idle rows, pad tokens)
+    instead of compiling its own bucket, within REUSE_COST x rows x tokens; logits and greedy tokens
+    equal an engine that compiles the exact bucket."""
+    import dataclasses
+
+    from rexrag_jax.generation import engine as engine_mod
+    from rexrag_jax.train import compile_watch
+
+    cfg = dataclasses.replace(CFG, rope_theta=31337.0)  # a config no other test compiled programs for
+    rng = np.random.default_rng(5)
+    big = [rng.integers(1, CFG.vocab_size, 20).tolist() for _ in range(8)]  # 8 rows x 32-token bucket
+    small_rows, small = [1, 4, 6], [rng.integers(1, CFG.vocab_size, 10).tolist() for _ in range(3)]  # 4 x 16
+
+    def run(reuse):
+        monkeypatch.setattr(engine_mod, "REUSE_COST", 4 if reuse else 0)
+        eng = GenerationEngine(params, cfg, 8, S, pad_id=0)
+        eng.append(list(range(8)), big)
+        before = compile_watch.compilations()
+        eng.append(small_rows, small)
+        compiled = compile_watch.compilations() - before
+        lengths = eng.lengths()
+        logits = np.asarray(eng._last_logits)
+        outs = eng.generate(list(range(8)), 6, jax.random.PRNGKey(0), greedy=True)
+        return eng, compiled, lengths, logits, [o.tokens for o in outs]
+
+    compile_watch.install()
+    eng_r, compiled_r, len_r, logits_r, toks_r = run(reuse=True)
+    eng_x, compiled_x, len_x, logits_x, toks_x = run(reuse=False)
+    assert compiled_r == 0 and compiled_x > 0  # the exact (4, 16) bucket was a new program
+    assert eng_r._compiled_prefill == {(8, 32, 64)} and (4, 16, 64) in eng_x._compiled_prefill
+    np.testing.assert_array_equal(len_r, len_x)
+    assert len_r.tolist() == [20, 30, 20, 20, 30, 20, 30, 20]
+    np.testing.assert_allclose(logits_r, logits_x, atol=1e-5)
+    assert toks_r == toks_x

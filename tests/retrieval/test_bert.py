@@ -126,3 +126,28 @@ def test_e5_prefixes_and_truncation(make_encoder):
     assert len(long_ids) == plain.max_length and long_ids[-1] == plain.tokenizer.token_to_id("[SEP]")
     with pytest.raises(ValueError, match="kind must be"):
         plain.encode(["a"], kind="doc")
+
+
+def test_small_batches_run_a_compiled_larger_bucket(make_encoder):
+    """After a 16-query batch, batches of 3 and 5 queries run the 16-row program (within REUSE_COST x
+    rows x tokens) instead of compiling their own [4, 16] / [8, 16] buckets, with the same embeddings; a
+    single query (16x smaller) and a 64-token one get their own buckets."""
+    from rexrag_jax.train import compile_watch
+
+    enc = make_encoder(name="reuse-bert", seed=3)
+    texts = [f"who founded company number {i}" for i in range(16)]
+    compile_watch.install()
+    first = enc.encode(texts, kind="query")
+    before = compile_watch.compilations()
+    few = enc.encode(texts[:3], kind="query")
+    five = enc.encode(texts[4:9], kind="query")
+    assert compile_watch.compilations() == before
+    assert enc._compiled == {(16, 16)}
+    np.testing.assert_allclose(few, first[:3], atol=1e-5)
+    np.testing.assert_allclose(five, first[4:9], atol=1e-5)
+    one = enc.encode(texts[5:6], kind="query")
+    assert (1, 16) in enc._compiled
+    np.testing.assert_allclose(one, first[5:6], atol=1e-5)
+    # a 64-token query is beyond 4x the compiled bucket's size: its own bucket compiles
+    enc.encode(["word " * 60], kind="query")
+    assert (1, 64) in enc._compiled
