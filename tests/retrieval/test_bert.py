@@ -131,7 +131,8 @@ def test_e5_prefixes_and_truncation(make_encoder):
 def test_small_batches_run_a_compiled_larger_bucket(make_encoder):
     """After a 16-query batch, batches of 3 and 5 queries run the 16-row program (within REUSE_COST x
     rows x tokens) instead of compiling their own [4, 16] / [8, 16] buckets, with the same embeddings; a
-    single query (16x smaller) and a 64-token one get their own buckets."""
+    single query (16x smaller, but within REUSE_FLOOR tokens) runs it too; a 64-token query, beyond both,
+    gets its own bucket."""
     from rexrag_jax.train import compile_watch
 
     enc = make_encoder(name="reuse-bert", seed=3)
@@ -146,7 +147,7 @@ def test_small_batches_run_a_compiled_larger_bucket(make_encoder):
     np.testing.assert_allclose(few, first[:3], atol=1e-5)
     np.testing.assert_allclose(five, first[4:9], atol=1e-5)
     one = enc.encode(texts[5:6], kind="query")
-    assert (1, 16) in enc._compiled
+    assert enc._compiled == {(16, 16)}
     np.testing.assert_allclose(one, first[5:6], atol=1e-5)
     # a 64-token query is beyond 4x the compiled bucket's size: its own bucket compiles
     enc.encode(["word " * 60], kind="query")
