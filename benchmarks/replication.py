@@ -256,6 +256,49 @@ def paired_stats(results: dict, a: str, b: str, run_root: str, draws: int = 2000
     return out
 
 
+def combine(paths: list[str], prior_min: float = 2.0) -> tuple[dict, list[str]]:
+    """Worlds of several results files (e.g. two runs with different seeds) as one study: for each
+    comparison, over all worlds and over the worlds whose warm start has the prior (probe / fresh success
+    >= prior_min, measured before RL: a stated inclusion criterion, not a post-hoc one), the per-world
+    differences, mean and 95% t interval; the bootstrap where every world has per-question EM."""
+    worlds, sources = [], []
+    for path in paths:
+        with open(path) as f:
+            res = json.load(f)
+        for w in res["worlds"]:
+            if any(w["seed"] == v["seed"] for v in worlds):
+                raise BadInput(f"{path}: world {w['seed']} is also in an earlier file")
+            worlds.append(w)
+        sources.append({"path": path, "commit": res.get("commit"), "command": res.get("command"),
+                        "seeds": [w["seed"] for w in res["worlds"]]})
+    worlds.sort(key=lambda w: w["seed"])
+    prior = [w for w in worlds if w.get("warm_start", {}).get("ratio", 0.0) >= prior_min]
+    out = {"sources": sources, "prior_min": prior_min, "prior_worlds": [w["seed"] for w in prior], "comparisons": []}
+    lines = [f"worlds {[w['seed'] for w in worlds]}; with the prior (probe/fresh >= {prior_min:g} at the warm "
+             f"start): {out['prior_worlds']}"]
+    for subset, ws in (("all", worlds), ("prior", prior)):
+        for a, b in COMPARISONS:
+            both = [w for w in ws if a in w["arms"] and b in w["arms"]]
+            if not both:
+                continue
+            try:
+                st = paired_stats({"worlds": both}, b, a, run_root="/nonexistent")
+            except BadInput:  # some world lacks per-question EM (an older results file): t interval only
+                diffs = [w["arms"][a]["em_after"] - w["arms"][b]["em_after"] for w in both]
+                st = {"arms": f"{a} - {b}", "n_worlds": len(diffs), "per_world": diffs, "mean": float(np.mean(diffs))}
+                if len(diffs) > 1:
+                    half = t975(len(diffs) - 1) * float(np.std(diffs, ddof=1)) / math.sqrt(len(diffs))
+                    st["t_interval"] = [st["mean"] - half, st["mean"] + half]
+            st["subset"], st["seeds"] = subset, [w["seed"] for w in both]
+            out["comparisons"].append(st)
+            t, bs = st.get("t_interval"), st.get("bootstrap_interval")
+            lines.append(f"{subset:>6} {st['arms']:>24}: {st['mean']:+5.1f} EM over {st['n_worlds']} world(s)"
+                         + (f", 95% t [{t[0]:+.1f}, {t[1]:+.1f}]" if t else "")
+                         + (f", bootstrap [{bs[0]:+.1f}, {bs[1]:+.1f}]" if bs else "")
+                         + f"   per world {', '.join(f'{d:+.1f}' for d in st['per_world'])}")
+    return out, lines
+
+
 def behaviour_breakdown(world, trap_relations, eval_path: str, base_path: str | None = None) -> dict:
     """What the greedy held-out rollouts of `eval_path` do (in points / per question):
     em_trap / em_other   EM on questions whose chain has a trap relation after the first hop (the warm
@@ -448,8 +491,23 @@ def main(argv=None) -> int:
     p.add_argument("--breakdown", action="store_true",
                    help="only read RUN_ROOT (any commit): print EM on trap / other questions, self-reflection "
                         "and searches per question of every warm start and arm, from their held-out dumps")
+    p.add_argument("--combine", nargs="+", default=None, metavar="RESULTS_JSON",
+                   help="only read these results files (other seeds each): paired differences over all their "
+                        "worlds and over the worlds with the prior; with --json_out, written there")
+    p.add_argument("--prior_min", type=float, default=2.0, help="--combine: probe / fresh success ratio at the "
+                                                                 "warm start that counts as having the prior")
     p.add_argument("--command", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.combine:
+        try:
+            out, lines = combine(args.combine, args.prior_min)
+        except (BadInput, OSError, KeyError, json.JSONDecodeError) as e:
+            print(f"replication: --combine: {e}", file=sys.stderr)
+            return 2
+        print("\n".join(lines))
+        if args.json_out:
+            _write_json(args.json_out, out)
+        return 0
     if args.breakdown:
         with open(os.path.join(args.run_root, "results.json")) as f:
             results = json.load(f)

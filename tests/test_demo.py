@@ -262,3 +262,45 @@ def test_missing_minilm_weights_name_the_install_line_before_anything_is_written
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and MINILM_INSTALL in err[0], err
     assert not os.path.exists(run_dir)
+
+
+def test_search_rollout_rl_steps_compile_nothing_outside_the_rollout_after_step_3(quick_run):
+    """The demo's RL trainer on real search rollouts: the log-prob, update and RL-math programs compile
+    nothing after the first 3 steps though trajectory lengths and kept rows vary per step (a step whose
+    longest trajectory is shorter again used to recompile the packed passes: 4 programs at step 6 here).
+    The rollout's own compiles are counted apart: on this 25-SFT-step policy its random queries (up to
+    128 tokens) and appends still reach new shapes now and then (docs/benchmarks/train.md; the replication
+    warm start's policy compiles none after step 3 in benchmarks/rl_step.py)."""
+    from rexrag_jax.train import compile_watch
+
+    _, run_dir = quick_run
+    cfg = dataclasses.replace(demo.parse_config([], [], quick=True), rl_steps=8)
+    warm = demo.load_warm_start(run_dir, 0, cfg, evaluate=False)
+    compile_watch.install()
+    trainer = demo.make_rl_trainer(cfg, warm, os.path.join(os.path.dirname(run_dir), "rl_compiles"), 0)
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner, self.compiles = inner, 0
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def __call__(self, *a, **k):
+            c0 = compile_watch.compilations()
+            try:
+                return self.inner(*a, **k)
+            finally:
+                self.compiles += compile_watch.compilations() - c0
+
+    trainer.rollout = Counting(trainer.rollout)
+    outside, lengths = [], set()
+    try:
+        for _ in range(8):
+            m = trainer.train_step()
+            outside.append(compile_watch.compilations() - trainer.rollout.compiles)
+            lengths.add(int(m["response_len/max"]))
+    finally:
+        trainer.ckpt.close()
+    assert len(lengths) > 1  # the steps really differ
+    assert outside[3:] == [outside[2]] * 5, f"compilations outside the rollout after each step: {outside}"

@@ -234,3 +234,33 @@ def test_behaviour_breakdown_hand_computed(tmp_path):
     assert (b["changed"], b["fixed"], b["broken"]) == (50.0, 25.0, 25.0)
     w = replication.behaviour_breakdown(world, traps, str(tmp_path / "warm.jsonl"))
     assert "changed" not in w and w["em_trap"] == 0.0 and w["self_reflect"] == 0.0
+
+
+def test_combine_pools_worlds_of_several_results_files(quick, tmp_path, capsys):
+    """--combine: the worlds of two results files as one study; the t interval over worlds by hand; the
+    prior subset by the warm start's probe/fresh ratio; a seed in both files is exit 2."""
+    rc, root, out = quick
+    res = json.load(open(out))
+    other = json.loads(json.dumps(res))
+    w = other["worlds"][0]
+    w["seed"] = 5
+    w["arms"]["rexrag"]["em_after"] += 3.0
+    w["warm_start"]["ratio"] = 10.0
+    res["worlds"][0]["warm_start"]["ratio"] = 0.5
+    f1, f2, f3 = (str(tmp_path / n) for n in ("a.json", "b.json", "c.json"))
+    json.dump(res, open(f1, "w")), json.dump(other, open(f2, "w"))
+    assert replication.main(["--combine", f1, f2, "--json_out", f3]) == 0
+    comb = json.load(open(f3))
+    assert comb["prior_worlds"] == [5]
+    c = next(c for c in comb["comparisons"] if c["subset"] == "all" and c["arms"] == "rexrag - grpo")
+    d0 = res["worlds"][0]["arms"]["rexrag"]["em_after"] - res["worlds"][0]["arms"]["grpo"]["em_after"]
+    diffs = [d0, d0 + 3.0]
+    assert c["seeds"] == [0, 5] and c["per_world"] == pytest.approx(diffs)
+    half = 12.706 * np.std(diffs, ddof=1) / np.sqrt(2)
+    assert c["t_interval"] == pytest.approx([np.mean(diffs) - half, np.mean(diffs) + half])
+    assert "bootstrap_interval" in c  # both worlds carry per-question EM
+    p = next(c for c in comb["comparisons"] if c["subset"] == "prior" and c["arms"] == "rexrag - grpo")
+    assert p["seeds"] == [5] and p["mean"] == pytest.approx(d0 + 3.0)
+    capsys.readouterr()
+    assert replication.main(["--combine", f1, f1]) == 2
+    assert "world 0 is also in an earlier file" in capsys.readouterr().err

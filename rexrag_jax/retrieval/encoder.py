@@ -19,10 +19,10 @@ from tqdm.auto import tqdm
 from rexrag_jax.models.bert import BertConfig, embed, load_hf_bert
 from rexrag_jax.models.bert.hf_io import default_minilm_dir
 
-# a batch may run an already-compiled [B, T] bucket of at most REUSE_COST x its own B x T, or of at most
-# REUSE_FLOOR tokens whatever its own size (MiniLM: ~35 ms on 2 CPU cores vs ~1 s per compile)
+# a batch runs at least REUSE_FLOOR tokens (MiniLM: ~70 ms on 2 CPU cores vs ~1 s per compile), or an
+# already-compiled [B, T] bucket of at most REUSE_COST x its own B x T (TextEncoder._batch_shape)
 REUSE_COST = 4
-REUSE_FLOOR = 256
+REUSE_FLOOR = 512
 
 
 def _next_pow2(n: int, lo: int = 1) -> int:
@@ -93,16 +93,16 @@ class TextEncoder:
         return [e.ids for e in self.tokenizer.encode_batch(list(texts))]
 
     def _batch_shape(self, n: int, longest: int) -> tuple[int, int]:
-        """The [B, T] bucket of a batch: powers of two, or an already-compiled larger bucket costing at
-        most REUSE_COST x the exact one (B x T) or REUSE_FLOOR tokens. Rollouts encode a varying number of
-        queries per turn, and each new (B, T) pair was a ~1 s compile, some long after the first RL steps."""
+        """The [B, T] bucket of a batch: powers of two, with at least REUSE_FLOOR tokens (so small batches
+        share one bucket per T), or an already-compiled larger bucket costing at most REUSE_COST x that.
+        Rollouts encode a varying number of queries per turn, and each new (B, T) pair was a ~1 s compile,
+        some of them long after the first RL steps."""
         mult = jax.local_device_count() if self._sharding is not None else 1
-        b = min(_next_pow2(n), _next_pow2(self.batch_size))
-        b = -(-b // mult) * mult
         t = min(_next_pow2(longest, lo=16), self.max_length)
+        b = min(max(_next_pow2(n), REUSE_FLOOR // t), _next_pow2(self.batch_size))
+        b = -(-b // mult) * mult
         if (b, t) not in self._compiled:
-            budget = max(REUSE_COST * b * t, REUSE_FLOOR)
-            fits = [k for k in self._compiled if k[0] >= b and k[1] >= t and k[0] * k[1] <= budget]
+            fits = [k for k in self._compiled if k[0] >= b and k[1] >= t and k[0] * k[1] <= REUSE_COST * b * t]
             if fits:
                 return min(fits, key=lambda k: (k[0] * k[1], k))
         self._compiled.add((b, t))

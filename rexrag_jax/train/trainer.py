@@ -125,6 +125,24 @@ def qa_examples(files: Sequence[str] = (), synthetic: int = 0, data_source: str 
 ROW_BUCKET = 16
 _group_advantages = jax.jit(group_advantages)
 _behaviour_logprobs = jax.jit(behaviour_logprobs)
+# (rows, tokens) shapes the two programs ran at: a step with fewer rows or shorter sequences runs a shape
+# already compiled (padding is neutral and these are elementwise ops over <= one batch: the extra work is
+# negligible; each new shape was a compile, e.g. the first step without kept probes, long after step 3)
+_RL_MATH_SHAPES: set[tuple[int, int]] = set()
+
+
+def _rl_math_shape(n: int, t: int) -> tuple[int, int]:
+    rows = -(-n // ROW_BUCKET) * ROW_BUCKET
+    fits = [k for k in _RL_MATH_SHAPES if k[0] >= rows and k[1] >= t]
+    if fits:
+        return min(fits, key=lambda k: (k[0] * k[1], k))
+    _RL_MATH_SHAPES.add((rows, t))
+    return rows, t
+
+
+def _pad_cols(x: np.ndarray, n_pad: int, fill=0) -> np.ndarray:
+    x = np.asarray(x)
+    return np.concatenate([x, np.full(x.shape[:1] + (n_pad,), fill, x.dtype)], axis=1) if n_pad else x
 
 
 def _pad_rows(x: np.ndarray, n_pad: int, fill=0) -> np.ndarray:
@@ -148,11 +166,14 @@ def rl_update_math(rewards, correct, group_ids, old_logp, loss_mask, is_probe, p
     """(advantages [N], behaviour log-probs [N, T], α, err) of the kept rows, as float32 numpy.
 
     The formulas live in rexrag_jax.rl (group_advantages, behaviour_logprobs, batch_alpha_err); this only
-    pads N to a multiple of ROW_BUCKET so their jitted versions compile for few shapes. correction=False
-    is the ablation without the policy correction: behaviour = π_old on every loss-masked token.
+    pads N to a multiple of ROW_BUCKET (or to an already-compiled larger shape, rows and tokens: see
+    _rl_math_shape) so their jitted versions compile for few shapes. correction=False is the ablation
+    without the policy correction: behaviour = π_old on every loss-masked token.
     """
     n = len(rewards)
-    pad = -(-n // ROW_BUCKET) * ROW_BUCKET - n
+    t = np.asarray(old_logp).shape[1]
+    rows, t_pad = _rl_math_shape(n, t)
+    pad = rows - n
     gid = np.asarray(group_ids)
     pad_gid = (gid.max() + 1 if n else 0) + np.arange(pad, dtype=gid.dtype)  # each padded row its own group
     adv = np.asarray(_group_advantages(_pad_rows(np.asarray(rewards, np.float32), pad),
@@ -161,9 +182,10 @@ def rl_update_math(rewards, correct, group_ids, old_logp, loss_mask, is_probe, p
     if not correction:
         behaviour = np.where(np.asarray(loss_mask, bool), np.asarray(old_logp, np.float32), 0.0)
         return adv.astype(np.float32), behaviour.astype(np.float32), float(alpha), float(err)
+    cols = lambda x, fill=0: _pad_cols(_pad_rows(x, pad, fill), t_pad - t, fill)  # noqa: E731
     behaviour = np.asarray(_behaviour_logprobs(
-        _pad_rows(old_logp, pad), _pad_rows(loss_mask, pad, False), _pad_rows(is_probe, pad, False),
-        _pad_rows(probe_start, pad), _pad_rows(probe_len, pad), _pad_rows(pool_logp, pad), alpha, err))[:n]
+        cols(old_logp), cols(loss_mask, False), _pad_rows(is_probe, pad, False),
+        _pad_rows(probe_start, pad), _pad_rows(probe_len, pad), cols(pool_logp), alpha, err))[:n, :t]
     return adv.astype(np.float32), behaviour.astype(np.float32), float(alpha), float(err)
 
 
@@ -247,6 +269,7 @@ class Trainer:
             from rexrag_jax.sharding import make_mesh
             self.mesh = make_mesh(*self.cfg.mesh_shape)
         self.dp_size = 1 if self.mesh is None else int(self.mesh.shape["data"] * self.mesh.shape["fsdp"])
+        self._pack_lens_used: set[int] = set()  # packed-row lengths run so far (_pack_len)
         for name in ("micro_batch", "logprob_batch"):
             if (getattr(self.cfg, name) or self.cfg.micro_batch) % self.dp_size:
                 raise ValueError(f"TrainConfig.{name} must be a multiple of the data-parallel size {self.dp_size}")
@@ -334,7 +357,15 @@ class Trainer:
         cfg = self.cfg
         cap = prepare.length_bucket(cfg.max_seq_len, cfg.length_bucket, 1 << 30)
         base = cfg.pack_length or min(4 * cfg.length_bucket, cap)
-        return packing.pack_length(lengths, base, cfg.length_bucket)
+        need = packing.pack_length(lengths, base, cfg.length_bucket)
+        # a packed-row length already compiled (a step with a longer trajectory raised it) is reused up to
+        # 2x the need: rows of that length hold more trajectories, so the padding cost stays small, and a
+        # step whose longest trajectory is shorter again does not compile the log-prob and update programs
+        # once more (measured: 4 compiles at step 6 of the quick demo's RL)
+        used = [p for p in self._pack_lens_used if need <= p <= 2 * need]
+        p = min(used) if used else need
+        self._pack_lens_used.add(p)
+        return p
 
     @staticmethod
     def _lengths(mask) -> np.ndarray:

@@ -129,26 +129,27 @@ def test_e5_prefixes_and_truncation(make_encoder):
 
 
 def test_small_batches_run_a_compiled_larger_bucket(make_encoder):
-    """After a 16-query batch, batches of 3 and 5 queries run the 16-row program (within REUSE_COST x
-    rows x tokens) instead of compiling their own [4, 16] / [8, 16] buckets, with the same embeddings; a
-    single query (16x smaller, but within REUSE_FLOOR tokens) runs it too; a 64-token query, beyond both,
-    gets its own bucket."""
-    from rexrag_jax.train import compile_watch
+    """Batches of 16, 3, 5 and 1 queries of <= 16 tokens all run one [32, 16] program (REUSE_FLOOR tokens)
+    with the embeddings of encoding them alone; a 64-token query runs [8, 64], and after a [32, 64] batch
+    a [16, 64] one runs that (within REUSE_COST) instead of compiling."""
+    from rexrag_jax.retrieval.encoder import REUSE_FLOOR
 
     enc = make_encoder(name="reuse-bert", seed=3)
+    assert REUSE_FLOOR == 512
     texts = [f"who founded company number {i}" for i in range(16)]
-    compile_watch.install()
     first = enc.encode(texts, kind="query")
-    before = compile_watch.compilations()
     few = enc.encode(texts[:3], kind="query")
     five = enc.encode(texts[4:9], kind="query")
-    assert compile_watch.compilations() == before
-    assert enc._compiled == {(16, 16)}
-    np.testing.assert_allclose(few, first[:3], atol=1e-5)
-    np.testing.assert_allclose(five, first[4:9], atol=1e-5)
     one = enc.encode(texts[5:6], kind="query")
-    assert enc._compiled == {(16, 16)}
+    assert enc._compiled == {(32, 16)}
+    alone = np.concatenate([enc.encode([t], kind="query") for t in texts[:3]])
+    np.testing.assert_allclose(few, first[:3], atol=1e-5)
+    np.testing.assert_allclose(few, alone, atol=1e-5)
+    np.testing.assert_allclose(five, first[4:9], atol=1e-5)
     np.testing.assert_allclose(one, first[5:6], atol=1e-5)
-    # a 64-token query is beyond 4x the compiled bucket's size: its own bucket compiles
-    enc.encode(["word " * 60], kind="query")
-    assert (1, 64) in enc._compiled
+    long = ["word " * 60]
+    enc.encode(long, kind="query")
+    assert enc._compiled == {(32, 16), (8, 64)}
+    enc.encode(long * 32, kind="query")
+    enc.encode(long * 9, kind="query")
+    assert enc._compiled == {(32, 16), (8, 64), (32, 64)}

@@ -4,13 +4,15 @@ import pytest
 
 from rexrag_jax.rl.advantages import group_advantages
 from rexrag_jax.rl.behaviour import batch_alpha_err, behaviour_logprobs
+from rexrag_jax.train import trainer as trainer_mod
 from rexrag_jax.train.trainer import ROW_BUCKET, rl_update_math
 
 
-@pytest.mark.parametrize("n", [1, 7, ROW_BUCKET, ROW_BUCKET + 3])
-def test_rl_update_math_matches_unpadded(n):
+@pytest.mark.parametrize("n, T", [(1, 12), (7, 12), (ROW_BUCKET, 12), (ROW_BUCKET + 3, 12),
+                                  (2 * ROW_BUCKET + 1, 40), (3, 9)])
+def test_rl_update_math_matches_unpadded(n, T):
+    """Also after a larger shape ran: (3, 9) is padded in rows and tokens to a shape already compiled."""
     r = np.random.default_rng(n)
-    T = 12
     group_ids = r.integers(100, 104, n)  # arbitrary ids; padded rows must not join these groups
     rewards = r.integers(0, 2, n).astype(np.float32) + r.normal(0, 0.1, n).astype(np.float32)
     correct = (rewards > 0.5).astype(np.float32)
@@ -33,6 +35,8 @@ def test_rl_update_math_matches_unpadded(n):
     np.testing.assert_allclose(beh, want_beh, rtol=1e-5, atol=1e-6)
     assert alpha == pytest.approx(float(want_alpha)) and err == pytest.approx(float(want_err))
     assert alpha == pytest.approx(is_probe.mean())  # the padding did not count as rows
+    if (n, T) == (3, 9):  # ran a compiled larger shape instead of compiling (16, 9)
+        assert (ROW_BUCKET, 9) not in trainer_mod._RL_MATH_SHAPES
 
 
 def test_without_correction_behaviour_is_old_logp():
