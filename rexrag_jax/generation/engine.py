@@ -304,7 +304,8 @@ class GenerationEngine:
         when a program already compiled for a larger shape costs at most REUSE_COST x the exact one in
         rows x tokens (and at most REUSE_WINDOW x its window), that program runs instead, padded with idle
         rows and pad tokens: a rollout's rare (rows, tokens, window) combinations stop costing a compile
-        each (measured: 2 of the 4 compilations after step 3 of the demo's RL step; benchmarks/rl_step.py).
+        each (2 new prefill shapes were among the 8 compilations after step 3 on a replication warm start;
+        benchmarks/compile_trace.py, docs/benchmarks/train.md).
         Results are the same rows, lengths and logits: idle rows take no tokens, pad tokens land beyond
         each row's length and are overwritten later, extra window slots are masked."""
         if owned:
