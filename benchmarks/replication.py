@@ -211,16 +211,16 @@ def question_em(path: str) -> dict[str, float]:
         return {r["id"]: float(r["em"]) for r in map(json.loads, f)}
 
 
-def arm_question_em(world: dict, arm: str, run_root: str) -> dict[str, float]:
-    """Per-question held-out EM of one arm: from its dump under run_root, else from the JSON's
-    `question_em` ({"ids": [...], "em": [...]}, stored so that a results file alone (run dirs deleted,
-    another machine) still gives the bootstrap)."""
-    path = os.path.join(run_root, f"seed{world['seed']}", arm, "eval_rl.jsonl")
-    if os.path.exists(path):
+def arm_question_em(world: dict, arm: str, run_root: str | None) -> dict[str, float]:
+    """Per-question held-out EM of one arm: from its dump under run_root, else (or with run_root None)
+    from the JSON's `question_em` ({"ids": [...], "em": [...]}, stored so that a results file alone (run
+    dirs deleted, another machine) still gives the bootstrap)."""
+    path = None if run_root is None else os.path.join(run_root, f"seed{world['seed']}", arm, "eval_rl.jsonl")
+    if path is not None and os.path.exists(path):
         return question_em(path)
     q = world["arms"][arm].get("question_em")
     if q is None:
-        raise BadInput(f"{path}: missing, and results.json has no question_em for world {world['seed']} arm {arm}")
+        raise BadInput(f"{path or 'results'}: no dump, and no question_em for world {world['seed']} arm {arm}")
     return dict(zip(q["ids"], map(float, q["em"])))
 
 
@@ -230,11 +230,8 @@ def packed_question_em(path: str) -> dict:
     return {"ids": ids, "em": [em[i] for i in ids]}
 
 
-def paired_stats(results: dict, a: str, b: str, run_root: str, draws: int = 2000, seed: int = 0) -> dict | None:
-    """b - a over the worlds that finished both arms: per-world differences, t interval, bootstrap interval."""
-    worlds = [w for w in results["worlds"] if a in w["arms"] and b in w["arms"]]
-    if not worlds:
-        return None
+def world_stats(worlds: list[dict], a: str, b: str) -> dict:
+    """b - a over worlds (each has both arms): per-world differences, mean, 95% t interval over worlds."""
     diffs = [w["arms"][b]["em_after"] - w["arms"][a]["em_after"] for w in worlds]
     n = len(diffs)
     mean = float(np.mean(diffs))
@@ -242,6 +239,18 @@ def paired_stats(results: dict, a: str, b: str, run_root: str, draws: int = 2000
     if n > 1:
         half = t975(n - 1) * float(np.std(diffs, ddof=1)) / math.sqrt(n)
         out["t_interval"] = [mean - half, mean + half]
+    return out
+
+
+def paired_stats(results: dict, a: str, b: str, run_root: str | None, draws: int = 2000,
+                 seed: int = 0) -> dict | None:
+    """b - a over the worlds that finished both arms: world_stats plus the bootstrap interval (worlds then
+    questions; per-question EM from the dumps under run_root or the JSON, see arm_question_em)."""
+    worlds = [w for w in results["worlds"] if a in w["arms"] and b in w["arms"]]
+    if not worlds:
+        return None
+    out = world_stats(worlds, a, b)
+    n = out["n_worlds"]
     per_q = []
     for w in worlds:
         ea, eb = arm_question_em(w, a, run_root), arm_question_em(w, b, run_root)
@@ -282,13 +291,9 @@ def combine(paths: list[str], prior_min: float = 2.0) -> tuple[dict, list[str]]:
             if not both:
                 continue
             try:
-                st = paired_stats({"worlds": both}, b, a, run_root="/nonexistent")
+                st = paired_stats({"worlds": both}, b, a, run_root=None)
             except BadInput:  # some world lacks per-question EM (an older results file): t interval only
-                diffs = [w["arms"][a]["em_after"] - w["arms"][b]["em_after"] for w in both]
-                st = {"arms": f"{a} - {b}", "n_worlds": len(diffs), "per_world": diffs, "mean": float(np.mean(diffs))}
-                if len(diffs) > 1:
-                    half = t975(len(diffs) - 1) * float(np.std(diffs, ddof=1)) / math.sqrt(len(diffs))
-                    st["t_interval"] = [st["mean"] - half, st["mean"] + half]
+                st = world_stats(both, b, a)
             st["subset"], st["seeds"] = subset, [w["seed"] for w in both]
             out["comparisons"].append(st)
             t, bs = st.get("t_interval"), st.get("bootstrap_interval")

@@ -309,11 +309,10 @@ class GenerationEngine:
         Results are the same rows, lengths and logits: idle rows take no tokens, pad tokens land beyond
         each row's length and are overwritten later, extra window slots are masked."""
         if owned:
-            groups = np.bincount(np.asarray(rows) // (self.batch_size // self._dp), minlength=self._dp)
-            nb = self._dp * min(_pow2_at_least(int(groups.max()), 1), self.batch_size // self._dp)
+            idx = self._owner_layout(rows, pending)
         else:
-            nb = min(_pow2_at_least(len(rows), 1), self.batch_size)
-        idx = self._prefill_idx(rows, pending, nb, owned)
+            idx = self._prefill_idx(rows, pending, min(_pow2_at_least(len(rows), 1), self.batch_size), owned)
+        nb = len(idx)
         window = self._prefill_window(idx, T)
         if (nb, T, window) in self._compiled_prefill:
             return nb, T, idx, window
