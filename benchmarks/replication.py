@@ -77,7 +77,10 @@ REPLICATION_DEFAULTS = dict(test_per_hop=300, curve_every=0, rl_time_budget_s=No
                             trap_dead_end_prob=1.0, trap_revision_share=0.5,
                             # fourth pass: after the prompt a revision record re-issues the last query and
                             # walks on from its observation (no copy of a name across the prompt)
-                            revision_continuation="research")
+                            revision_continuation="research",
+                            # eighth pass: the prior held in 2 of 5 worlds (probe/fresh 2.2, 4.1, 0.35, 0.41, 0.93):
+                            # SFT goes on (up to 2 x 800 steps) until probe >= 2 x fresh on a dev world
+                            prior_gate=2.0)
 # two-sided 95% t quantiles, df 1..10 (beyond: 1.96 + 2.5/df, within 0.01)
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -452,7 +455,7 @@ def run(args) -> int:
         world["warm_start"] = {"em_before": 100 * before.average, "n_heldout": before.num_examples,
                                "em_before_per_hop": {k.replace("synth_", ""): 100 * v["em"]
                                                      for k, v in before.per_source.items()},
-                               **prior}
+                               **prior, "prior_gate": warm.get("prior_gate")}
         save()
         print(f"world {seed}: warm start EM {100 * before.average:.1f} on {before.num_examples} held-out; probe "
               f"success {100 * prior['probe_success']:.1f}% vs fresh {100 * prior['fresh_success']:.1f}%", flush=True)

@@ -92,6 +92,16 @@ class DemoConfig:
     sft_batch_size: int = 8
     sft_lr: float = 2e-3
     sft_time_budget_s: float | None = 540.0
+    # prior gate (issue 12): after SFT, measure probe vs fresh success on a dev world (this world's names,
+    # facts of its own, never in the SFT data or the held-out set) and, while the ratio is below
+    # prior_gate, continue SFT for prior_gate_steps more steps (a new cosine at prior_gate_lr_scale x sft_lr),
+    # at most prior_gate_rounds times; the warm start is the first round that passes, else the best ratio.
+    # 0 = off (the demo); benchmarks/replication.py: 2.0, the issue's target
+    prior_gate: float = 0.0
+    prior_gate_rounds: int = 2
+    prior_gate_steps: int = 800
+    prior_gate_lr_scale: float = 0.5
+    prior_gate_per_hop: int = 150       # dev-world questions per hop count (greedy-evaluated; its wrong ones probed)
     # REX-RAG
     rl_steps: int = 30
     num_questions: int = 8
@@ -137,7 +147,7 @@ RL_LOG_KEYS = ("em/train", "reward/mean", "reward/original", "probes/created", "
 
 QUICK_OVERRIDES = dict(hidden_size=128, intermediate_size=384, head_dim=32, num_person=40, num_city=14, num_country=4, num_company=10, sft_examples=400, reading_worlds=1,
                        test_per_hop=10, sft_steps=25, rl_steps=2, num_questions=4, group_size=4,
-                       micro_batch=8, curve_every=0, vocab_size=700, probe_prior_questions=8, sft_time_budget_s=None, rl_time_budget_s=None,
+                       micro_batch=8, curve_every=0, vocab_size=700, probe_prior_questions=8, prior_gate_rounds=1, prior_gate_steps=5, prior_gate_per_hop=4, sft_time_budget_s=None, rl_time_budget_s=None,
                        rapo_buffer_n=4, rapo_buffer_k=1)
 
 
@@ -297,8 +307,16 @@ def prepare_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool,
     sft_cfg = SFTConfig(steps=cfg.sft_steps, batch_size=cfg.sft_batch_size, learning_rate=cfg.sft_lr,
                         length_bucket=cfg.length_bucket, time_budget_s=cfg.sft_time_budget_s)
     params, sft_hist = train_sft(params, model_cfg, data, sft_cfg, seed=seed, log_fn=logger.log, progress=progress)
-    warm_dir = export_policy(params, model_cfg, tok_path, os.path.join(run_dir, "warmstart_model"))
     done("sft", f"({sft_hist[-1]['step'] + 1} steps, final loss {sft_hist[-1]['loss']:.3f})")
+    gate = None
+    if cfg.prior_gate > 0:
+        phase("prior_gate")
+        params, gate = gate_prior(cfg, seed, world, tok_path, model_cfg, params, data, sft_hist[-1]["step"] + 1,
+                                  logger.log, progress)
+        _write_json(os.path.join(run_dir, "prior_gate.json"), gate)
+        done("prior_gate", f"(dev ratio {gate['chosen']['ratio']:.2f} after {gate['chosen']['sft_steps']} SFT steps, "
+                           f"{'passed' if gate['passed'] else 'NOT passed'})")
+    warm_dir = export_policy(params, model_cfg, tok_path, os.path.join(run_dir, "warmstart_model"))
 
     phase("eval_warmstart")
     evaluator = make_evaluator(cfg, tok_path, retriever, model_cfg, params)
@@ -315,7 +333,79 @@ def prepare_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool,
                         f"{100 * prior['fresh_success']:.1f}% on {prior['n_questions']} greedy-wrong held-out questions)")
     return dict(world=world, retriever=retriever, tok_path=tok_path, model_cfg=model_cfg, warm_dir=warm_dir,
                 sft_hist=sft_hist, evaluator=evaluator, before=before, records=records, probe_prior=prior,
-                run_dir=run_dir, times=dict(times))
+                prior_gate=gate, run_dir=run_dir, times=dict(times))
+
+
+DEV_FACT_SEED_OFFSET = 997  # reading worlds use fact seeds seed*1000 + 1..reading_worlds
+
+
+def dev_world(world, cfg: DemoConfig, seed: int):
+    """The prior gate's dev world: `world`'s names and types with facts of its own (fact seed
+    seed*1000 + 997, no reading world's), cfg.prior_gate_per_hop test questions per hop count. Neither its
+    facts nor its questions are in the SFT data or the held-out evaluation."""
+    from rexrag_jax.data.synthetic_world import generate_world
+
+    n = cfg.prior_gate_per_hop
+    return generate_world(dataclasses.replace(world.config, fact_seed=seed * 1000 + DEV_FACT_SEED_OFFSET,
+                                              test_per_hop=(n, n, n)))
+
+
+def gate_prior(cfg: DemoConfig, seed: int, world, tok_path, model_cfg, params, data, sft_steps: int, log_fn,
+               progress: bool) -> tuple:
+    """Continue SFT until the warm start has the prior REX-RAG relies on, checked on a dev world.
+
+    Round r: greedy EM on the dev world's questions (exact lexical retriever over its corpus, the run's top-k),
+    then probe vs fresh success on up to cfg.probe_prior_questions of its greedy-wrong questions
+    (measure_probe_prior). While ratio = probe / fresh < cfg.prior_gate and r < cfg.prior_gate_rounds, SFT
+    continues for cfg.prior_gate_steps steps (a new warmup-cosine at cfg.prior_gate_lr_scale x cfg.sft_lr).
+    Returns (params, {"rounds": [...], "chosen": round, "passed": bool}): the first passing round's params,
+    else the round with the highest dev ratio."""
+    import jax
+    import jax.numpy as jnp
+
+    from rexrag_jax.data.synthetic_world import WorldRetriever
+    from rexrag_jax.train.sft import SFTConfig, train_sft
+
+    dev = dev_world(world, cfg, seed)
+    evaluator = make_evaluator(cfg, tok_path, WorldRetriever(dev.corpus_rows()), model_cfg, params)
+    rounds, kept = [], []
+    for r in range(cfg.prior_gate_rounds + 1):
+        if r > 0:
+            more = SFTConfig(steps=cfg.prior_gate_steps, batch_size=cfg.sft_batch_size,
+                             learning_rate=cfg.sft_lr * cfg.prior_gate_lr_scale, length_bucket=cfg.length_bucket)
+            offset = sft_steps
+            # train_sft donates its params: train a copy, so each round's params (and the caller's) stay valid
+            params = jax.tree.map(jnp.array, params)
+            params, _ = train_sft(params, model_cfg, data, more, seed=seed * 7919 + r,
+                                  log_fn=lambda step, row: log_fn(offset + step, row), progress=progress)
+            sft_steps += cfg.prior_gate_steps
+        records, summary = evaluate_split(evaluator, params, dev.test, None, progress)
+        prior = measure_probe_prior(cfg, evaluator, params, dev.test, records, seed + r, None)
+        row = {"round": r, "sft_steps": sft_steps, "dev_em": 100 * summary.average, "n_dev": summary.num_examples,
+               **{k: prior[k] for k in ("probe_success", "fresh_success", "ratio", "n_questions", "reflect_rate")}}
+        rounds.append(row)
+        kept.append(params)
+        log_fn(sft_steps, {"prior_gate/dev_ratio": row["ratio"], "prior_gate/dev_em": summary.average,
+                           "prior_gate/probe_success": row["probe_success"], "prior_gate/fresh_success": row["fresh_success"]})
+        _log(f"   prior gate round {r}: {sft_steps} SFT steps, dev EM {row['dev_em']:.1f}, probe "
+             f"{100 * row['probe_success']:.1f}% vs fresh {100 * row['fresh_success']:.1f}% (ratio {row['ratio']:.2f})")
+        if _finite(row["ratio"]) >= cfg.prior_gate:
+            break
+    passed = _finite(rounds[-1]["ratio"]) >= cfg.prior_gate
+    best = len(rounds) - 1 if passed else int(np.nanargmax([_finite(x["ratio"]) for x in rounds]))
+    return kept[best], {"gate": cfg.prior_gate, "rounds": rounds, "chosen": rounds[best], "passed": passed}
+
+
+def _finite(x: float) -> float:
+    """A ratio for comparisons: probe success with no fresh success (inf) counts as 1e9, 0 / 0 (nan) as -1."""
+    return x if np.isfinite(x) else (1e9 if x > 0 else -1.0)
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(tmp, path)
 
 
 def sft_questions(world, cfg: DemoConfig) -> list:
@@ -429,9 +519,14 @@ def load_warm_start(run_dir: str, seed: int, cfg: DemoConfig, progress: bool = F
 
         prior = measure_probe_prior(cfg, evaluator, params, world.test, records, seed, run_dir,
                                     errors=greedy_error_kinds(world, records, pick_trap_relations(seed, cfg.num_trap_relations)))
+    gate_path = os.path.join(run_dir, "prior_gate.json")
+    gate = None
+    if os.path.exists(gate_path):
+        with open(gate_path) as f:
+            gate = json.load(f)
     return dict(world=world, retriever=retriever, tok_path=tok_path, model_cfg=model_cfg, warm_dir=warm_dir,
                 sft_hist=[], evaluator=evaluator, before=before, records=records, probe_prior=prior,
-                run_dir=run_dir, times={})
+                prior_gate=gate, run_dir=run_dir, times={})
 
 
 def build_rapo_buffer(cfg: DemoConfig, warm: dict, seed: int, progress: bool = False) -> str:

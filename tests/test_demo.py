@@ -304,3 +304,53 @@ def test_search_rollout_rl_steps_compile_nothing_outside_the_rollout_after_step_
         trainer.ckpt.close()
     assert len(lengths) > 1  # the steps really differ
     assert outside[3:] == [outside[2]] * 5, f"compilations outside the rollout after each step: {outside}"
+
+
+def test_dev_world_shares_names_and_heads_but_not_facts():
+    """The prior gate's dev world: the world's names and types, facts of its own (not the world's, not a
+    reading world's), so neither the SFT data nor the held-out set contains its questions' answers."""
+    from rexrag_jax.data.synthetic_world import generate_world
+
+    cfg = demo.parse_config([], [], quick=True)
+    world = generate_world(demo.world_config(cfg, 3))
+    dev = demo.dev_world(world, cfg, 3)
+    assert dev.names == world.names and dev.types == world.types
+    assert dev.facts != world.facts
+    reading = generate_world(dataclasses.replace(world.config, fact_seed=3 * 1000 + 1))
+    assert dev.facts != reading.facts
+    same = [dev.facts[k] == v for k, v in world.facts.items()]
+    assert np.mean(same) < 0.5  # most answers differ: the world's SFT records do not answer the dev questions
+    assert len(dev.test) <= 3 * cfg.prior_gate_per_hop and len(dev.test) > 0
+
+
+def test_prior_gate_trains_on_until_the_rounds_run_out_and_keeps_the_best(quick_run):
+    """An unreachable gate: every round runs (prior_gate_steps more SFT steps each), none passes, and the
+    chosen round is the one with the highest dev ratio; a gate of 0 passes at round 0 with the params
+    untouched."""
+    from rexrag_jax.data.synthetic_world import generate_world
+    from rexrag_jax.models.qwen2.hf_io import load_checkpoint
+
+    _, run_dir = quick_run
+    cfg = demo.parse_config([], [], quick=True)
+    world = generate_world(demo.world_config(cfg, 0))
+    tok_path = os.path.join(run_dir, "tokenizer", "demo.model")
+    loaded_cfg, params = load_checkpoint(os.path.join(run_dir, "warmstart_model"), progress=False)
+    model_cfg = demo.model_config(cfg, loaded_cfg.vocab_size)
+    records = [json.loads(line) for line in open(os.path.join(run_dir, "world", "warmstart.jsonl"))][:64]
+    data = sft.build_sft_data(load_tokenizer(tok_path), records, cfg.max_context + cfg.max_new_tokens,
+                              cfg.length_bucket)
+    logged = []
+    hard = dataclasses.replace(cfg, prior_gate=float("inf"), prior_gate_rounds=2, prior_gate_steps=3)
+    out, gate = demo.gate_prior(hard, 0, world, tok_path, model_cfg, params, data, 25,
+                                lambda step, row: logged.append((step, row)), progress=False)
+    assert [r["sft_steps"] for r in gate["rounds"]] == [25, 28, 31] and not gate["passed"]
+    ratios = [r["ratio"] if np.isfinite(r["ratio"]) else -1.0 for r in gate["rounds"]]
+    assert gate["chosen"]["round"] == int(np.argmax(ratios))
+    assert {s for s, row in logged if "prior_gate/dev_ratio" in row} == {25, 28, 31}
+    assert all(r["n_questions"] > 0 for r in gate["rounds"])
+    moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(params)))
+    assert (moved > 0) == (gate["chosen"]["round"] > 0)
+    easy = dataclasses.replace(cfg, prior_gate=-1.0, prior_gate_rounds=2, prior_gate_steps=3)
+    out0, gate0 = demo.gate_prior(easy, 0, world, tok_path, model_cfg, params, data, 25, lambda *a: None, progress=False)
+    assert len(gate0["rounds"]) == 1 and gate0["passed"] and gate0["chosen"]["sft_steps"] == 25
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(out0), jax.tree.leaves(params)))
