@@ -20,16 +20,24 @@ FORBIDDEN = {
 
 
 def imports_of(layer):
+    """(file, module) of every rexrag_jax import in the package folder or module file `layer`."""
+    top = os.path.join(PKG, layer)
+    files = [top] if os.path.isfile(top) else [os.path.join(root, f) for root, _, fs in os.walk(top)
+                                                for f in fs if f.endswith(".py")]
+    assert files, f"no python files under {top}"
     out = []
-    for root, _, files in os.walk(os.path.join(PKG, layer)):
-        for f in files:
-            if f.endswith(".py"):
-                path = os.path.join(root, f)
-                for node in ast.walk(ast.parse(open(path).read())):
-                    names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
-                        [a.name for a in node.names] if isinstance(node, ast.Import) else []
-                    out += [(os.path.relpath(path, PKG), n) for n in names if n.startswith("rexrag_jax.")]
+    for path in files:
+        for node in ast.walk(ast.parse(open(path).read())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            out += [(os.path.relpath(path, PKG), n) for n in names if n.startswith("rexrag_jax.")]
     return out
+
+
+def test_shape_reuse_rule_imports_nothing_from_the_package():
+    """rexrag_jax/shapes.py is used by generation, retrieval and train alike: it sits below every layer."""
+    assert imports_of("shapes.py") == []
+    assert ("generation/engine.py", "rexrag_jax.shapes") in imports_of("generation")
 
 
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))

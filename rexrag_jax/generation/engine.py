@@ -22,6 +22,7 @@ from rexrag_jax.generation import kernels
 from rexrag_jax.generation.stops import find_stop_cut
 from rexrag_jax.models.qwen2.config import Qwen2Config
 from rexrag_jax.models.qwen2.model import CACHE_LOGICAL_AXES, unstack_layers
+from rexrag_jax.shapes import covers
 from rexrag_jax.sharding.rules import logical_to_spec
 
 _REASONS = {kernels.EOS: "eos", kernels.STOP: "stop", kernels.LENGTH: "length"}
@@ -316,10 +317,8 @@ class GenerationEngine:
         window = self._prefill_window(idx, T)
         if (nb, T, window) in self._compiled_prefill:
             return nb, T, idx, window
-        for nb2, T2, w2 in sorted(self._compiled_prefill, key=lambda k: (k[0] * k[1], k[2])):
-            if not (nb2 >= nb and T2 >= T and w2 >= window and nb2 * T2 <= REUSE_COST * nb * T
-                    and w2 <= REUSE_WINDOW * window):
-                continue
+        for nb2, T2, w2 in covers(self._compiled_prefill, (nb, T, window), REUSE_COST, cost=lambda k: k[0] * k[1],
+                                  accept=lambda k: k[2] <= REUSE_WINDOW * window):
             idx2 = self._prefill_idx(rows, pending, nb2, owned)
             if int(self._lengths[idx2].max()) + T2 <= w2:  # the padded chunk fits the window
                 return nb2, T2, idx2, w2

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from rexrag_jax.models.bert import BertConfig, embed, load_hf_bert
 from rexrag_jax.models.bert.hf_io import default_minilm_dir
+from rexrag_jax.shapes import smallest_cover
 
 # a batch runs at least REUSE_FLOOR tokens (MiniLM: ~70 ms on 2 CPU cores vs ~1 s per compile), or an
 # already-compiled [B, T] bucket of at most REUSE_COST x its own B x T (TextEncoder._batch_shape)
@@ -101,10 +102,7 @@ class TextEncoder:
         t = min(_next_pow2(longest, lo=16), self.max_length)
         b = min(max(_next_pow2(n), REUSE_FLOOR // t), _next_pow2(self.batch_size))
         b = -(-b // mult) * mult
-        if (b, t) not in self._compiled:
-            fits = [k for k in self._compiled if k[0] >= b and k[1] >= t and k[0] * k[1] <= REUSE_COST * b * t]
-            if fits:
-                return min(fits, key=lambda k: (k[0] * k[1], k))
+        b, t = smallest_cover(self._compiled, (b, t), REUSE_COST)
         self._compiled.add((b, t))
         return b, t
 

@@ -38,6 +38,7 @@ from rexrag_jax.rl.filtering import INITIAL_KEEP_RATIO
 from rexrag_jax.rl.loss import combine_micro_batches
 from rexrag_jax.models.qwen2.flops import train_flops
 from rexrag_jax.rollout.types import SEG_PROMPT
+from rexrag_jax.shapes import smallest_cover
 from rexrag_jax.train import packing, prepare
 from rexrag_jax.train.checkpoint import Checkpointer
 from rexrag_jax.train.metrics_log import MetricsLogger
@@ -133,11 +134,9 @@ _RL_MATH_SHAPES: set[tuple[int, int]] = set()
 
 def _rl_math_shape(n: int, t: int) -> tuple[int, int]:
     rows = -(-n // ROW_BUCKET) * ROW_BUCKET
-    fits = [k for k in _RL_MATH_SHAPES if k[0] >= rows and k[1] >= t]
-    if fits:
-        return min(fits, key=lambda k: (k[0] * k[1], k))
-    _RL_MATH_SHAPES.add((rows, t))
-    return rows, t
+    shape = smallest_cover(_RL_MATH_SHAPES, (rows, t))
+    _RL_MATH_SHAPES.add(shape)
+    return shape
 
 
 def _pad_cols(x: np.ndarray, n_pad: int, fill=0) -> np.ndarray:
@@ -362,8 +361,7 @@ class Trainer:
         # 2x the need: rows of that length hold more trajectories, so the padding cost stays small, and a
         # step whose longest trajectory is shorter again does not compile the log-prob and update programs
         # once more (measured: 4 compiles at step 6 of the quick demo's RL)
-        used = [p for p in self._pack_lens_used if need <= p <= 2 * need]
-        p = min(used) if used else need
+        (p,) = smallest_cover({(q,) for q in self._pack_lens_used}, (need,), 2)
         self._pack_lens_used.add(p)
         return p
 
