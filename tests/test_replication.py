@@ -49,6 +49,13 @@ def test_quick_replication_writes_the_json_shape(quick, capsys):
     for k in ("probe_success", "fresh_success"):
         assert 0.0 <= ws[k] <= 1.0
     assert ws["n_fresh"] == ws["n_questions"] * 4  # group_size samples per greedy-wrong question
+    # the prior gate (2.0 by default here) ran on the dev world: round 0, then at most 1 more (--quick)
+    gate = ws["prior_gate"]
+    assert gate["gate"] == replication.REPLICATION_DEFAULTS["prior_gate"] and 1 <= len(gate["rounds"]) <= 2
+    assert gate["passed"] == (gate["chosen"]["ratio"] >= 2.0)
+    assert [r["sft_steps"] for r in gate["rounds"]] == [25, 30][:len(gate["rounds"])]
+    saved = json.load(open(os.path.join(root, "seed0", "warm", "prior_gate.json")))
+    assert json.dumps(gate, sort_keys=True) == json.dumps(saved, sort_keys=True)  # NaN-safe comparison
     assert set(world["arms"]) == {"grpo", "rexrag_nocorr", "rexrag", "rapo"}
     before = {a["em_before"] for a in world["arms"].values()}
     assert len(before) == 1  # one warm start for the four arms
